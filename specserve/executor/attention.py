@@ -1,0 +1,122 @@
+"""Attention over the paged KV cache for a flattened ragged batch.
+
+Tokens of all sequences lie on one axis T.  Each step the runner groups the
+sequences: a long prefill with no cached context runs alone as causal SDPA on
+its own keys; every other sequence (decode tokens, K+1 verification
+positions, chunked prefills with cached context) joins a padded group whose
+keys are gathered from the cache by slot index, with a mask built from
+absolute positions (key j is visible to a query at position p iff j <= p, and
+p - j < window when a sliding window is set).
+
+The gather-then-SDPA path is the device-agnostic reference; it is what runs on
+CPU.  All index tensors are built once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class CausalGroup:
+    """One sequence whose new tokens are its whole context (a fresh prefill)."""
+
+    start: int  # offset of its first token on the T axis
+    length: int
+
+
+@dataclass
+class PaddedGroup:
+    """Sequences attending to cached context, padded to (B, Q) x (B, L)."""
+
+    q_index: Tensor  # (B, Q) int64 index into T (padding points at a valid token; masked out on scatter)
+    q_valid: Tensor  # (B*Q,) bool
+    q_flat_index: Tensor  # (n_valid,) int64: the T indices of valid queries, in (B, Q) order
+    kv_slots: Tensor  # (B, L) int64 cache slot of key position j
+    mask: Tensor  # (B, 1, Q, L) bool, True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: Tensor  # (T,) int64: the cache slot each new token's K/V is written to
+    causal: list[CausalGroup] = field(default_factory=list)
+    padded: PaddedGroup | None = None
+    scale: float | None = None
+
+
+def build_padded_group(
+    q_starts: list[int],  # per sequence: offset of its first new token on T
+    q_lens: list[int],  # per sequence: number of new tokens
+    ctx_lens: list[int],  # per sequence: context length INCLUDING the new tokens
+    block_tables: list[list[int]],
+    block_size: int,
+    window: int | None,
+    device: torch.device,
+) -> PaddedGroup:
+    B = len(q_lens)
+    Q = max(q_lens)
+    L = max(ctx_lens)
+    q_len_t = torch.tensor(q_lens, dtype=torch.int64)
+    ctx_t = torch.tensor(ctx_lens, dtype=torch.int64)
+    ar_q = torch.arange(Q, dtype=torch.int64)
+    q_valid = ar_q[None, :] < q_len_t[:, None]  # (B, Q)
+    q_index = torch.tensor(q_starts, dtype=torch.int64)[:, None] + torch.minimum(ar_q[None, :], q_len_t[:, None] - 1)
+    # Absolute position of each query: the new tokens are the last q_len of the context.
+    q_pos = (ctx_t - q_len_t)[:, None] + ar_q[None, :]  # (B, Q)
+    k_pos = torch.arange(L, dtype=torch.int64)  # (L,)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_t[:, None, None])
+    if window is not None:
+        mask &= q_pos[:, :, None] - k_pos[None, None, :] < window
+    nblk = (L + block_size - 1) // block_size
+    bt = torch.zeros(B, nblk, dtype=torch.int64)
+    for b, table in enumerate(block_tables):
+        n = min(len(table), nblk)
+        bt[b, :n] = torch.tensor(table[:n], dtype=torch.int64)
+    kv_slots = bt[:, k_pos // block_size] * block_size + (k_pos % block_size)[None, :]  # (B, L)
+    valid_flat = q_valid.reshape(-1)
+    return PaddedGroup(
+        q_index=q_index.to(device),
+        q_valid=valid_flat.to(device),
+        q_flat_index=q_index.reshape(-1)[valid_flat].to(device),
+        kv_slots=kv_slots.to(device),
+        mask=mask[:, None].to(device),
+    )
+
+
+def paged_attention(
+    q: Tensor,  # (T, nh, hd)
+    k: Tensor,  # (T, nkv, hd) new keys
+    v: Tensor,  # (T, nkv, hd) new values
+    k_cache: Tensor,  # (S, nkv, hd) flat slots
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+) -> Tensor:
+    """Write the new K/V into their slots, then attend.  Returns (T, nh, hd)."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    nh, hd = q.shape[1], q.shape[2]
+    gqa = nh != k.shape[1]
+    out = torch.empty_like(q)
+    for g in meta.causal:
+        s, n = g.start, g.length
+        qs = q[s : s + n].transpose(0, 1)  # (nh, n, hd)
+        ks = k[s : s + n].transpose(0, 1)
+        vs = v[s : s + n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=meta.scale, enable_gqa=gqa)
+        out[s : s + n] = o.transpose(0, 1)
+    p = meta.padded
+    if p is not None:
+        B, Q = p.q_index.shape
+        L = p.kv_slots.shape[1]
+        qp = q[p.q_index.reshape(-1)].view(B, Q, nh, hd).transpose(1, 2)  # (B, nh, Q, hd)
+        flat = p.kv_slots.reshape(-1)
+        kp = k_cache[flat].view(B, L, -1, hd).transpose(1, 2)  # (B, nkv, L, hd)
+        vp = v_cache[flat].view(B, L, -1, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=meta.scale, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(B * Q, nh, hd)  # (B*Q, nh, hd)
+        out[p.q_flat_index] = o[p.q_valid]
+    return out

@@ -1,0 +1,38 @@
+"""The paged KV cache tensors (the data-plane half; accounting lives in
+``specserve.engine.kv_blocks``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """K and V for every layer as flat slots: slot = block_id * block_size + offset.
+
+    Shape (layers, 2, num_blocks * block_size, kv_heads, head_dim); a layer's
+    K and V are contiguous views, so writes are one index_copy_ per step.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.data = torch.zeros(
+            num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.data[i, 0], self.data[i, 1]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

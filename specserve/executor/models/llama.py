@@ -1,0 +1,195 @@
+"""specserve's own Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3).
+
+One forward runs a flattened batch of ragged sequences: prefill chunks, decode
+tokens and the K+1 verification positions of many requests, all as one token
+axis T.  Attention reads and writes the paged KV cache through the
+``AttentionMetadata`` the runner builds.  Projections are fused (qkv, gate_up)
+at load time so that a decode step is a handful of large matmuls per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specserve.executor.attention import AttentionMetadata, paged_attention
+
+
+@dataclass
+class ArchConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: bias on q/k/v
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k
+    sliding_window: int | None
+    model_type: str
+
+    @classmethod
+    def from_hf(cls, c: Any) -> "ArchConfig":
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        model_type = c.model_type
+        window = getattr(c, "sliding_window", None)
+        if model_type in ("qwen2", "qwen3") and not getattr(c, "use_sliding_window", False):
+            window = None
+        return cls(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(c, "attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            sliding_window=window,
+            model_type=model_type,
+        )
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as the reference models do."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding with the rotate-half layout of HF checkpoints.
+
+    ``inv_freq`` and the attention scaling come from transformers' rope
+    initialisers so that every rope_type (default, llama3, linear, yarn, ...)
+    matches the reference model exactly.
+    """
+
+    def __init__(self, hf_config: Any, max_positions: int):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+            dim = int(dim * params.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.float())  # (P, hd/2)
+        self.register_buffer("cos", (freqs.cos() * scaling), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scaling), persistent=False)
+
+    def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # (T, 1, hd/2): broadcast over heads
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (T, heads, hd); cos/sin: (T, 1, hd/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ArchConfig, layer_id: int):
+        super().__init__()
+        self.a = a
+        self.layer_id = layer_id
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.qkv_proj = nn.Linear(a.hidden_size, q + 2 * kv, bias=a.attention_bias)
+        self.o_proj = nn.Linear(q, a.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv: Any) -> Tensor:
+        a = self.a
+        T = x.shape[0]
+        h = self.input_layernorm(x)
+        qkv = self.qkv_proj(h)  # (T, q + 2kv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, a.num_heads, a.head_dim)
+        k = k.view(T, a.num_kv_heads, a.head_dim)
+        v = v.view(T, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv.layer(self.layer_id)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # (T, heads, hd)
+        x = x + self.o_proj(attn.reshape(T, self.q_size))
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack + LM head.  ``forward`` returns the final hidden states
+    (pre-norm is applied) and, on request, the residual stream ENTERING the
+    layers listed in ``aux_layer_ids`` (EAGLE-3 / MTP inputs)."""
+
+    def __init__(self, a: ArchConfig, hf_config: Any, max_positions: int):
+        super().__init__()
+        self.a = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.rotary = Rotary(hf_config, max_positions)
+
+    def forward(
+        self,
+        input_ids: Tensor,  # (T,) int64
+        positions: Tensor,  # (T,) int64
+        meta: AttentionMetadata,
+        kv: Any,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        x = self.embed_tokens(input_ids)  # (T, H)
+        cos, sin = self.rotary.tables(positions, x.dtype)
+        aux: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layer_ids:
+                aux[i] = x
+            x = layer(x, cos, sin, meta, kv)
+        return self.norm(x), aux
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden: (N, H) -> logits (N, V) in float32."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
