@@ -1,0 +1,351 @@
+"""The speculative engine's step loop (synchronous core).
+
+Each ``step()``: schedule; propose up to K drafts for every decoding request;
+run ONE target forward over prefill chunks, pending tokens and drafts of all
+requests; turn logits into target distributions with each request's sampling
+params; verify (rejection sampling); commit accepted tokens and roll back the
+rest; detokenise; emit per-request outputs and metric events.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import Config
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.kv_blocks import BlockManager
+from specserve.engine.scheduler import ScheduledSeq, Scheduler
+from specserve.engine.sequence import Sequence, Status
+from specserve.engine.stats import RequestFinishedStats, RequestStepStats, StatsListener, StepStats
+from specserve.engine.tokenizer import Tokenizer
+from specserve.errors import InvalidRequestError
+from specserve.executor.kv_cache import KVCache
+from specserve.executor.loader import LoadedModel, load_model, resolve_device
+from specserve.executor.runner import ModelRunner, SeqInput
+from specserve.proposers import DraftRequest, Proposer, build_proposer
+from specserve.proposers.base import ProposerContext
+from specserve.request import FinishReason, RequestOutput, SamplingParams
+from specserve.sampling.processors import SamplingTensors, logits_to_probs
+from specserve.sampling.rejection import RejectionUniforms, rejection_sample, rejection_sample_greedy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInfo:
+    model_name: str
+    method: str  # "none" without speculation
+    num_speculative_tokens: int
+    max_model_len: int
+    dtype: str
+    device: str
+    lossless: bool
+
+
+@dataclass
+class _ReqState:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+
+
+def _num_blocks(cfg: Config, target: LoadedModel) -> int:
+    e = cfg.engine
+    if e.num_kv_blocks is not None:
+        return e.num_kv_blocks
+    a = target.arch
+    per_block = KVCache.bytes_per_block(a.num_layers, e.block_size, a.num_kv_heads, a.head_dim, target.dtype)
+    return max(1, int(e.kv_cache_memory_gib * (1 << 30)) // per_block)
+
+
+class LLMEngine:
+    def __init__(self, cfg: Config, target: LoadedModel | None = None):
+        self.cfg = cfg
+        e = cfg.engine
+        if e.num_threads is not None:
+            torch.set_num_threads(e.num_threads)
+        device = resolve_device(e.device)
+        if target is None:
+            m = cfg.model
+            target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir)
+        self.target = target
+        self.tokenizer = Tokenizer(target.tokenizer, target.eos_token_ids)
+        self.max_model_len = target.max_model_len
+        num_blocks = _num_blocks(cfg, target)
+        a = target.arch
+        self.kv = KVCache(a.num_layers, num_blocks, e.block_size, a.num_kv_heads, a.head_dim, target.dtype, target.device)
+        self.runner = ModelRunner(target, self.kv)
+        self.blocks = BlockManager(num_blocks, e.block_size)
+        spec = cfg.method
+        self.k = spec.num_speculative_tokens if spec is not None else 0
+        self.proposer: Proposer | None = None
+        if spec is not None:
+            ctx = ProposerContext(target=target, draft_model=cfg.draft, engine=e, num_kv_blocks=num_blocks)
+            self.proposer = build_proposer(spec, ctx)
+            if spec.rejection_sample_method == "synthetic":
+                log.warning(
+                    "rejection_sample_method=synthetic: acceptance is simulated at rate %s; outputs are NOT "
+                    "lossless (benchmarking only)", spec.synthetic_acceptance_rate,
+                )
+        self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.k, self.max_model_len)
+        self.generator = torch.Generator(device=target.device).manual_seed(e.seed)
+        self.requests: dict[str, _ReqState] = {}
+        self.listeners: list[StatsListener] = []
+        self.info = ModelInfo(
+            model_name=cfg.model.name,
+            method=spec.method if spec is not None else "none",
+            num_speculative_tokens=self.k,
+            max_model_len=self.max_model_len,
+            dtype=str(target.dtype).removeprefix("torch."),
+            device=str(target.device),
+            lossless=spec is None or spec.rejection_sample_method != "synthetic",
+        )
+
+    # ------------------------------------------------------------ requests
+    def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        V = self.target.arch.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= V for t in prompt_token_ids):
+            raise InvalidRequestError("prompt_token_ids", f"every token id must be an integer in [0, {V})")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"is {n} tokens; the model's max_model_len is {self.max_model_len} (room for output needed)"
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({self.max_model_len})",
+            )
+        need = self.blocks.blocks_for(n + params.max_tokens + self.k)
+        if need > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt + max_tokens needs {need} KV blocks; the cache holds {self.blocks.num_blocks}"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        self.validate_request(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.target.device).manual_seed(params.seed)
+        stop = list(params.stop)
+        self.requests[request_id] = _ReqState(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, stop), gen)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        st = self.requests.get(request_id)
+        if st is None:
+            return None
+        self._finish(st, FinishReason.ABORT)
+        return self._output(st, [], "")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.blocks.usage
+
+    # ------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            if self.proposer is not None:
+                self.proposer.remove(seq.request_id)
+        if sched.empty:
+            return []
+        drafts = self._propose(sched.scheduled)
+        inputs = []
+        for s, d in zip(sched.scheduled, drafts):
+            seq = s.seq
+            new = seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d
+            offsets = list(range(s.num_new_tokens - 1, len(new))) if s.sample else []
+            inputs.append(SeqInput(new, seq.num_computed, seq.block_table, offsets))
+        fwd = self.runner.forward(inputs)
+        sampled = [s for s in sched.scheduled if s.sample]
+        emitted, accepted = self._verify(sampled, drafts, sched.scheduled, fwd)
+        return self._commit(sched.scheduled, drafts, emitted, accepted)
+
+    def _propose(self, scheduled: list[ScheduledSeq]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in scheduled]
+        if self.proposer is None:
+            return drafts
+        idx = [i for i, s in enumerate(scheduled) if s.draft_room > 0]
+        if not idx:
+            return drafts
+        prop = self.proposer.propose([DraftRequest(scheduled[i].seq, scheduled[i].draft_room) for i in idx])
+        for i, toks in zip(idx, prop.token_ids):
+            drafts[i] = list(toks[: scheduled[i].draft_room])
+        return drafts
+
+    def _verify(self, sampled, drafts_all, scheduled, fwd):
+        """Returns per sampled seq: emitted tokens, number of accepted drafts."""
+        if not sampled:
+            return [], []
+        pos = {id(s): i for i, s in enumerate(scheduled)}
+        drafts = [drafts_all[pos[id(s)]] for s in sampled]
+        rows = [fwd.row_offsets[pos[id(s)]] for s in sampled]
+        B = len(sampled)
+        K = max(len(d) for d in drafts)
+        dev = fwd.logits.device
+        # (B, K+1) row index into logits; padding repeats the row of the last real position.
+        row_idx = torch.tensor(
+            [[r + min(j, len(d)) for j in range(K + 1)] for r, d in zip(rows, drafts)], dtype=torch.int64, device=dev
+        )
+        num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=dev)
+        draft_ids = torch.tensor([d + [-1] * (K - len(d)) for d in drafts], dtype=torch.int64, device=dev).view(B, K)
+        params = [s.seq.params for s in sampled]
+        spec = self.cfg.method
+        method = spec.rejection_sample_method if spec is not None else "strict"
+        if all(p.greedy for p in params) and method != "synthetic":
+            target_argmax = fwd.logits.argmax(dim=-1)[row_idx]  # (B, K+1)
+            out = rejection_sample_greedy(target_argmax, draft_ids, num_drafts)
+        else:
+            def per_row(name: str) -> list:
+                return [getattr(p, name) for p in params for _ in range(K + 1)]
+
+            st = SamplingTensors.build(per_row("temperature"), per_row("top_k"), per_row("top_p"), per_row("min_p"), dev)
+            V = fwd.logits.shape[-1]
+            logits = fwd.logits[row_idx].view(B * (K + 1), V)
+            probs = logits_to_probs(logits, st).view(B, K + 1, V)
+            gens = [self.requests[s.seq.request_id].generator or self.generator for s in sampled]
+            uniforms = RejectionUniforms.draw(gens, K, dev)
+            out = rejection_sample(
+                probs, draft_ids, num_drafts, None, uniforms, method,
+                spec.synthetic_acceptance_rate if spec is not None else None,
+            )
+        n_acc = out.num_accepted.tolist()
+        toks = out.output_token_ids.tolist()
+        return [t[: a + 1] for t, a in zip(toks, n_acc)], n_acc
+
+    def _commit(self, scheduled, drafts, emitted, accepted) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        req_stats: list[RequestStepStats] = []
+        n_prompt = n_gen = 0
+        j = 0
+        for s, d in zip(scheduled, drafts):
+            seq = s.seq
+            st = self.requests[seq.request_id]
+            before = len(seq.token_ids)
+            n_prompt += max(0, min(seq.num_computed + s.num_new_tokens, seq.num_prompt_tokens) - seq.num_computed)
+            if not s.sample:
+                self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens)
+                continue
+            toks, a = emitted[j], accepted[j]
+            j += 1
+            if self.proposer is not None:
+                self.proposer.on_verified(seq, before, len(d), a)
+            # K/V is valid for the fed tokens up to the pending one plus accepted drafts.
+            self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens + a)
+            new_ids, reason = self._append_tokens(seq, toks)
+            if d:
+                seq.spec.num_drafts += 1
+                seq.spec.num_draft_tokens += len(d)
+                seq.spec.num_accepted_tokens += a
+            delta, stopped = st.detok.append(new_ids)
+            if stopped and reason is None:
+                reason = FinishReason.STOP
+            ttft = itl = None
+            if new_ids:
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                    ttft = now - seq.arrival_time
+                else:
+                    itl = (now - (seq.last_token_time or now)) / len(new_ids)
+                seq.last_token_time = now
+            n_gen += len(new_ids)
+            req_stats.append(
+                RequestStepStats(
+                    request_id=seq.request_id, num_new_tokens=len(new_ids), num_draft_tokens=len(d),
+                    num_accepted_tokens=a, accepted_per_position=[i < a for i in range(len(d))],
+                    time_to_first_token_s=ttft, inter_token_latency_s=itl,
+                )
+            )
+            if reason is not None:
+                tail, _ = st.detok.append([], final=True)
+                delta += tail
+                self._finish(st, reason)
+            outputs.append(self._output(st, new_ids, delta))
+        self._emit_step(StepStats(
+            num_running=self.num_running, num_waiting=self.num_waiting, kv_cache_usage=self.blocks.usage,
+            num_prompt_tokens=n_prompt, num_generation_tokens=n_gen, requests=req_stats,
+        ))
+        return outputs
+
+    def _append_tokens(self, seq: Sequence, toks: list[int]) -> tuple[list[int], FinishReason | None]:
+        p = seq.params
+        stops = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stops.update(self.tokenizer.eos_token_ids)
+        new: list[int] = []
+        for t in toks:
+            seq.token_ids.append(t)
+            new.append(t)
+            if t in stops:
+                return new, FinishReason.STOP
+            if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                return new, FinishReason.LENGTH
+        return new, None
+
+    def _finish(self, st: _ReqState, reason: FinishReason) -> None:
+        seq = st.seq
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        if self.proposer is not None:
+            self.proposer.remove(seq.request_id)
+        self.requests.pop(seq.request_id, None)
+        fin = RequestFinishedStats(
+            request_id=seq.request_id, finish_reason=reason.value, num_prompt_tokens=seq.num_prompt_tokens,
+            num_generation_tokens=seq.num_output_tokens, e2e_latency_s=time.monotonic() - seq.arrival_time,
+            num_drafts=seq.spec.num_drafts, num_draft_tokens=seq.spec.num_draft_tokens,
+            num_accepted_tokens=seq.spec.num_accepted_tokens,
+        )
+        for listener in self.listeners:
+            listener.on_request_finished(fin)
+
+    def _output(self, st: _ReqState, new_ids: list[int], delta: str) -> RequestOutput:
+        seq = st.seq
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_ids, new_text=delta, token_ids=list(seq.output_token_ids),
+            text=st.detok.text, finished=seq.finished, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            spec=type(seq.spec)(seq.spec.num_drafts, seq.spec.num_draft_tokens, seq.spec.num_accepted_tokens),
+        )
+
+    def _emit_step(self, stats: StepStats) -> None:
+        for listener in self.listeners:
+            listener.on_step(stats)
+
+    # ------------------------------------------------------------ offline
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching); outputs in prompt order."""
+        ids = [f"offline-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, params):
+            self.add_request(rid, p, sp)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
