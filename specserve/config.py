@@ -252,6 +252,11 @@ def validate_config(cfg: Config) -> Config:
         raise ConfigError("parallelism.pipeline_parallel_size", "only 1 is supported in this build")
     if cfg.method is not None:
         validate_speculative(cfg.method, par.tensor_parallel_size, cfg.draft)
+    if par.tensor_parallel_size != 1:
+        raise ConfigError(
+            "parallelism.tensor_parallel_size",
+            f"{par.tensor_parallel_size} is not available in this build (single-device engine); use 1",
+        )
     e = cfg.engine
     _choice("engine.device", e.device, DEVICES)
     _int("engine.block_size", e.block_size, 1)
