@@ -1,0 +1,286 @@
+"""Verification of speculative drafts: the rejection sampler (torch reference + kernel dispatch).
+
+Vocabulary (vLLM's): per request and step the drafter proposes ``n`` *draft*
+tokens d_1..d_n (n = num_draft_tokens[b] <= K); the target scores all of them in
+one forward, giving p_1..p_{n+1}.  Drafts are *accepted* left to right; the
+first rejected position emits a *recovered* (correction) token instead; if all
+n are accepted a *bonus* token is sampled from p_{n+1}.  Each step therefore
+emits num_accepted + 1 tokens.
+
+Methods:
+
+- ``strict``: t_i ~ p_i; accept while t_i == d_i; the first mismatch emits t_i.
+  Lossless for any drafter (and exact for greedy).
+- ``probabilistic`` (Leviathan et al. 2023; Chen et al. 2023): accept d_i with
+  probability min(1, p_i(d_i) / q_i(d_i)); on rejection emit a sample of
+  normalize(max(p_i - q_i, 0)).  Lossless; accepts more than strict when q is a
+  real distribution.  Without draft probabilities q is one-hot at d_i.
+- ``synthetic``: accept position i iff u < rate.  NOT lossless: benchmarking only.
+
+All random numbers come from :class:`RejectionUniforms`, drawn per request so
+seeded requests are reproducible whatever the batch.  Tensors with ``[B, K]``
+shape are padded beyond ``num_draft_tokens[b]`` (draft ids with -1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specserve.sampling.processors import draw_uniforms, sample_from_probs
+
+__all__ = [
+    "REJECTION_METHODS",
+    "RejectionOutput",
+    "RejectionUniforms",
+    "rejection_sample",
+    "rejection_sample_greedy",
+]
+
+REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
+
+
+@dataclass
+class RejectionUniforms:
+    """The random numbers of one verification step, row b from request b's generator."""
+
+    accept: Tensor  # [B, K] float32 in [0, 1): accept tests (probabilistic, synthetic)
+    sample: Tensor  # [B, K+1] float32 in [0, 1): inverse-CDF draws at each position
+
+    @classmethod
+    def draw(
+        cls, generators: Sequence[torch.Generator | None], K: int, device: torch.device | str = "cpu"
+    ) -> "RejectionUniforms":
+        """Draw 2K+1 uniforms per request from ``generators[b]`` (None = default generator).
+
+        A request always consumes exactly 2K+1 numbers per step, whatever the
+        method and however many drafts it had, so its stream stays in step.
+        """
+        if K < 0:
+            raise ValueError(f"K: must be >= 0, got {K}")
+        u = draw_uniforms(generators, 2 * K + 1, device)  # [B, 2K+1]
+        return cls(accept=u[:, :K].contiguous(), sample=u[:, K:].contiguous())
+
+
+@dataclass
+class RejectionOutput:
+    output_token_ids: Tensor  # [B, K+1] int64: accepted drafts, then recovered/bonus; -1 after
+    num_accepted: Tensor  # [B] int64 in 0..num_draft_tokens[b]
+
+    def to_lists(self) -> list[list[int]]:
+        """Emitted tokens per request (one device sync)."""
+        ids = self.output_token_ids.tolist()
+        return [row[: n + 1] for row, n in zip(ids, self.num_accepted.tolist())]
+
+
+def _check_inputs(
+    target_probs: Tensor | None,
+    draft_token_ids: Tensor,
+    num_draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    target_name: str = "target_probs",
+) -> tuple[int, int]:
+    if draft_token_ids.dim() != 2 or draft_token_ids.dtype != torch.int64:
+        raise ValueError(
+            f"draft_token_ids: expected [B, K] int64, got {tuple(draft_token_ids.shape)} {draft_token_ids.dtype}"
+        )
+    B, K = draft_token_ids.shape
+    if num_draft_tokens.shape != (B,) or num_draft_tokens.dtype != torch.int64:
+        raise ValueError(
+            f"num_draft_tokens: expected [{B}] int64, got {tuple(num_draft_tokens.shape)} {num_draft_tokens.dtype}"
+        )
+    device = draft_token_ids.device
+    if num_draft_tokens.device != device:
+        raise ValueError(f"num_draft_tokens: on {num_draft_tokens.device} but draft_token_ids on {device}")
+    if target_probs is not None:
+        if target_probs.dim() != 3 or target_probs.shape[:2] != (B, K + 1):
+            raise ValueError(f"{target_name}: expected [{B}, {K + 1}, V], got {tuple(target_probs.shape)}")
+        if target_probs.device != device:
+            raise ValueError(f"{target_name}: on {target_probs.device} but draft_token_ids on {device}")
+    if draft_probs is not None:
+        if target_probs is None or draft_probs.shape != (B, K, target_probs.shape[2]):
+            raise ValueError(f"draft_probs: expected [{B}, {K}, V] like target_probs, got {tuple(draft_probs.shape)}")
+        if draft_probs.dtype != torch.float32 or draft_probs.device != device:
+            raise ValueError(
+                f"draft_probs: expected float32 on {device}, got {draft_probs.dtype} on {draft_probs.device}"
+            )
+    if device.type == "cpu":  # value checks cost a device sync elsewhere, so only here
+        if B and (num_draft_tokens.min() < 0 or num_draft_tokens.max() > K):
+            raise ValueError(f"num_draft_tokens: values must be in [0, {K}], got {num_draft_tokens.tolist()}")
+        valid = torch.arange(K) < num_draft_tokens[:, None]  # [B, K]
+        V = target_probs.shape[2] if target_probs is not None else None
+        ids = draft_token_ids[valid]
+        if ids.numel() and (ids.min() < 0 or (V is not None and ids.max() >= V)):
+            raise ValueError(f"draft_token_ids: ids within num_draft_tokens must be in [0, {V}), got {ids.tolist()}")
+    return B, K
+
+
+def _check_uniforms(uniforms: RejectionUniforms, B: int, K: int, device: torch.device) -> None:
+    for name, t, shape in (("accept", uniforms.accept, (B, K)), ("sample", uniforms.sample, (B, K + 1))):
+        if t.shape != shape or t.dtype != torch.float32 or t.device != device:
+            raise ValueError(
+                f"uniforms.{name}: expected {list(shape)} float32 on {device}, "
+                f"got {tuple(t.shape)} {t.dtype} on {t.device}"
+            )
+
+
+def _finish(emit_at: Tensor, tail: Tensor, draft_token_ids: Tensor, num_accepted: Tensor) -> RejectionOutput:
+    # emit_at: [B] the token at position num_accepted; drafts before it; -1 after.
+    B, K = draft_token_ids.shape
+    pos = torch.arange(K + 1, device=draft_token_ids.device)[None, :]  # [1, K+1]
+    drafts = torch.cat([draft_token_ids, tail], dim=1)  # [B, K+1]
+    out = torch.where(pos < num_accepted[:, None], drafts, torch.full_like(drafts, -1))
+    out = torch.where(pos == num_accepted[:, None], emit_at[:, None], out)
+    return RejectionOutput(output_token_ids=out, num_accepted=num_accepted)
+
+
+def _chain_accepted(accepted: Tensor, num_draft_tokens: Tensor) -> Tensor:
+    # accepted: [B, K] bool per position -> [B] length of the accepted prefix within n
+    K = accepted.shape[1]
+    valid = torch.arange(K, device=accepted.device)[None, :] < num_draft_tokens[:, None]
+    return (accepted & valid).to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def rejection_sample_greedy(
+    target_argmax: Tensor, draft_token_ids: Tensor, num_draft_tokens: Tensor
+) -> RejectionOutput:
+    """Greedy verification without probabilities: accept while d_i == argmax p_i.
+
+    target_argmax [B, K+1] int64.  The emitted tokens are exactly what plain
+    greedy decoding of the target would produce.
+    """
+    B, K = _check_inputs(None, draft_token_ids, num_draft_tokens, None)
+    if target_argmax.shape != (B, K + 1) or target_argmax.dtype != torch.int64:
+        raise ValueError(
+            f"target_argmax: expected [{B}, {K + 1}] int64, got {tuple(target_argmax.shape)} {target_argmax.dtype}"
+        )
+    num_accepted = _chain_accepted(target_argmax[:, :K] == draft_token_ids, num_draft_tokens)  # [B]
+    emit = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+    return _finish(emit, target_argmax[:, K:], draft_token_ids, num_accepted)
+
+
+def _sample_positions(target_probs: Tensor, u_sample: Tensor) -> Tensor:
+    # [B, K+1, V], [B, K+1] -> t [B, K+1] int64, t[b, i] ~ p_i by inverse CDF
+    B, K1, V = target_probs.shape
+    return sample_from_probs(target_probs.reshape(B * K1, V), u_sample.reshape(B * K1)).view(B, K1)
+
+
+def _strict(target_probs: Tensor, draft_token_ids: Tensor, num_draft_tokens: Tensor,
+            uniforms: RejectionUniforms) -> RejectionOutput:
+    t = _sample_positions(target_probs, uniforms.sample)  # [B, K+1]
+    K = draft_token_ids.shape[1]
+    num_accepted = _chain_accepted(t[:, :K] == draft_token_ids, num_draft_tokens)
+    emit = t.gather(1, num_accepted[:, None]).squeeze(1)
+    return _finish(emit, t[:, K:], draft_token_ids, num_accepted)
+
+
+def _probabilistic(target_probs: Tensor, draft_token_ids: Tensor, num_draft_tokens: Tensor,
+                   draft_probs: Tensor | None, uniforms: RejectionUniforms) -> RejectionOutput:
+    B, K = draft_token_ids.shape
+    rows = torch.arange(B, device=draft_token_ids.device)
+    ids = draft_token_ids.clamp(min=0)[:, :, None]  # [B, K, 1]; padding -> 0, masked below
+    p_d = target_probs[:, :K].gather(2, ids).squeeze(2)  # [B, K] p_i(d_i)
+    q_d = draft_probs.gather(2, ids).squeeze(2) if draft_probs is not None else torch.ones_like(p_d)
+    # u < p/q without dividing (q = 0 with p > 0 accepts; p = 0 never does)
+    num_accepted = _chain_accepted(uniforms.accept * q_d < p_d, num_draft_tokens)  # [B]
+
+    pos = num_accepted  # [B] position of the emitted token
+    p = target_probs[rows, pos]  # [B, V]
+    rejected = pos < num_draft_tokens  # [B]; else: bonus from p_{n+1}
+    if K > 0:
+        qpos = pos.clamp(max=K - 1)
+        if draft_probs is not None:
+            q = draft_probs[rows, qpos]  # [B, V]
+        else:
+            q = torch.zeros_like(p).scatter_(1, ids[rows, qpos], 1.0)  # one-hot at d_pos
+        q = torch.where(rejected[:, None], q, torch.zeros_like(q))
+        residual = torch.clamp(p - q, min=0.0)  # [B, V]
+        # all-zero residual (p == q up to rounding): fall back to p
+        has_mass = (residual > 0).any(dim=1, keepdim=True)
+        p = torch.where(has_mass, residual, p)
+    emit = sample_from_probs(p, uniforms.sample[rows, pos])  # [B]
+    return _finish(emit, emit[:, None], draft_token_ids, num_accepted)
+
+
+def _synthetic(target_probs: Tensor, draft_token_ids: Tensor, num_draft_tokens: Tensor,
+               uniforms: RejectionUniforms, rate: float) -> RejectionOutput:
+    t = _sample_positions(target_probs, uniforms.sample)  # [B, K+1]; greedy rows: argmax
+    num_accepted = _chain_accepted(uniforms.accept < rate, num_draft_tokens)
+    emit = t.gather(1, num_accepted[:, None]).squeeze(1)
+    K = draft_token_ids.shape[1]
+    return _finish(emit, t[:, K:], draft_token_ids, num_accepted)
+
+
+def rejection_sample(
+    target_probs: Tensor,
+    draft_token_ids: Tensor,
+    num_draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    uniforms: RejectionUniforms,
+    method: str,
+    synthetic_acceptance_rate: float | None = None,
+    use_kernel: bool | None = None,
+) -> RejectionOutput:
+    """Verify drafts against the target; see the module docstring for the methods.
+
+    Args:
+        target_probs: [B, K+1, V] float32, processed (temperature/top-k/top-p/min-p);
+            greedy rows one-hot.  Row b is read at positions 0..num_draft_tokens[b].
+        draft_token_ids: [B, K] int64, -1 beyond num_draft_tokens[b].
+        num_draft_tokens: [B] int64 in 0..K.
+        draft_probs: [B, K, V] float32, or None for drafters without distributions
+            (n-gram, suffix, greedy drafters): q is then one-hot at the draft.
+        uniforms: from :meth:`RejectionUniforms.draw`.
+        method: "strict", "probabilistic" or "synthetic".
+        synthetic_acceptance_rate: in [0, 1], required with (and only with) "synthetic".
+            Synthetic acceptance is NOT lossless: it accepts drafts with a fixed
+            probability regardless of the target and exists to benchmark the
+            engine at a chosen acceptance rate.  Its emitted non-draft tokens are
+            target samples (argmax for greedy rows).
+        use_kernel: None = the Triton kernel when the tensors are on CUDA and
+            triton is importable (strict/probabilistic); True forces it (on CPU it
+            runs under Triton's interpreter); False forces the torch reference.
+
+    Returns:
+        RejectionOutput; row b emits output_token_ids[b, :num_accepted[b] + 1].
+    """
+    if method not in REJECTION_METHODS:
+        raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
+    if method == "synthetic":
+        rate = synthetic_acceptance_rate
+        if rate is None or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"synthetic_acceptance_rate: must be in [0, 1] with method 'synthetic', got {rate}")
+    elif synthetic_acceptance_rate is not None:
+        raise ValueError(f"synthetic_acceptance_rate: only valid with method 'synthetic', not {method!r}")
+    if target_probs.dtype != torch.float32:
+        raise ValueError(f"target_probs: expected float32, got {target_probs.dtype}")
+    B, K = _check_inputs(target_probs, draft_token_ids, num_draft_tokens, draft_probs)
+    _check_uniforms(uniforms, B, K, draft_token_ids.device)
+
+    if method == "synthetic":
+        if use_kernel:
+            raise ValueError("use_kernel: the Triton kernel implements strict and probabilistic only")
+        return _synthetic(target_probs, draft_token_ids, num_draft_tokens, uniforms, synthetic_acceptance_rate)
+
+    if use_kernel is None:
+        use_kernel = target_probs.is_cuda and _triton_available()
+    if use_kernel:
+        from specserve.kernels.rejection_kernel import rejection_sample_triton
+
+        out_ids, num_accepted = rejection_sample_triton(
+            target_probs, draft_token_ids, num_draft_tokens, draft_probs,
+            uniforms.accept, uniforms.sample, method,
+        )
+        return RejectionOutput(output_token_ids=out_ids, num_accepted=num_accepted)
+    if method == "strict":
+        return _strict(target_probs, draft_token_ids, num_draft_tokens, uniforms)
+    return _probabilistic(target_probs, draft_token_ids, num_draft_tokens, draft_probs, uniforms)
+
+
+def _triton_available() -> bool:
+    from specserve.kernels import triton_available
+
+    return triton_available()
