@@ -1,0 +1,497 @@
+"""specserve-loadgen: a bounded loopback load generator for a running specserve.
+
+N concurrent streaming clients, half over gRPC (``GenerateStream``) and half
+over HTTP (``/v1/completions`` with ``stream: true``), run for T seconds in a
+closed loop (each client sends its next request when the previous ends).  A
+share of requests cancels mid-stream, a share sends bad input that must be
+refused with INVALID_ARGUMENT / 400.  The report (stdout and ``--output``)::
+
+    requests_per_s, tokens_per_s        completed requests and their completion tokens per second
+    ttft_s, itl_s, tpot_s               p50/p99: time to first token; gap between streamed
+                                        chunks (a chunk may hold several tokens when drafts
+                                        are accepted); time per output token after the first
+    errors.expected / .unexpected       by kind; expected: bad input refused, client
+                                        cancellations, queue_full (the bounded queue at work)
+    mismatches                          temperature-0 outputs that disagree with --reference
+                                        (a map prompt -> greedy text; neither may be a prefix
+                                        of the other)
+    after_run                           num_requests_running and kv_cache_usage_perc scraped
+                                        from /metrics once the clients stop (both should be 0)
+
+Only loopback targets are accepted: this tool is for checking a local server,
+not for loading someone else's.  Exit code: 0 when there were no unexpected
+errors and no mismatches, 1 otherwise, 2 for bad arguments.
+
+Example::
+
+    specserve-loadgen --grpc-target 127.0.0.1:50051 --http-url http://127.0.0.1:8000 \\
+        --clients 8 --duration-s 30 --cancel-fraction 0.1 --bad-fraction 0.1 --output load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import random
+import socket
+import ssl
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+BUILTIN_PROMPTS = (
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "Explain speculative decoding in one sentence.",
+    "List three prime numbers:",
+    "Once upon a time, in a small village,",
+    "The quick brown fox",
+    "Translate to German: good morning",
+)
+
+MAX_CLIENTS = 256
+MAX_DURATION_S = 3600.0
+
+
+# --------------------------------------------------------------------------- targets
+
+
+class NotLoopbackError(ValueError):
+    pass
+
+
+def _check_loopback(host: str, what: str) -> None:
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror as exc:
+        raise NotLoopbackError(f"{what}: cannot resolve {host!r}: {exc}") from None
+    addrs = {info[4][0] for info in infos}
+    bad = [a for a in addrs if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
+    if not addrs or bad:
+        raise NotLoopbackError(
+            f"{what}: {host!r} resolves to non-loopback {sorted(bad)}; only loopback targets are allowed"
+        )
+
+
+def parse_grpc_target(target: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); loopback only."""
+    if target.startswith("dns:///"):
+        target = target[len("dns:///") :]
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        raise NotLoopbackError(f"--grpc-target: expected host:port, got {target!r}")
+    _check_loopback(host, "--grpc-target")
+    return host, int(port)
+
+
+def check_http_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise NotLoopbackError(f"--http-url: expected http(s)://host:port, got {url!r}")
+    _check_loopback(parts.hostname, "--http-url")
+    return url.rstrip("/")
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Result:
+    protocol: str
+    kind: str  # ok | cancelled | error
+    error: str | None = None  # error kind, e.g. invalid_argument, queue_full, internal
+    expected: bool = True
+    ttft_s: float | None = None
+    chunk_gaps_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    completion_tokens: int = 0
+    prompt: str = ""
+    text: str = ""
+    finish_reason: str | None = None
+
+
+_GRPC_KINDS = {
+    "INVALID_ARGUMENT": "invalid_argument",
+    "RESOURCE_EXHAUSTED": "queue_full",
+    "UNAVAILABLE": "unavailable",
+    "UNAUTHENTICATED": "unauthenticated",
+    "DEADLINE_EXCEEDED": "deadline_exceeded",
+    "INTERNAL": "internal",
+    "NOT_FOUND": "model_not_found",
+    "CANCELLED": "cancelled",
+}
+_HTTP_KINDS = {400: "invalid_argument", 401: "unauthenticated", 404: "model_not_found", 429: "queue_full",
+               500: "internal", 503: "unavailable", 504: "deadline_exceeded"}  # fmt: skip
+
+
+@dataclass
+class Options:
+    max_tokens: int
+    temperature: float
+    api_key: str | None
+    timeout_s: float
+    cancel_fraction: float
+    bad_fraction: float
+
+
+# --------------------------------------------------------------------------- gRPC client
+
+
+class GrpcClient:
+    def __init__(self, target: str, opts: Options, ca_file: str | None):
+        import grpc
+
+        from specserve.v1 import specserve_pb2 as pb
+        from specserve.v1 import specserve_pb2_grpc as pb_grpc
+
+        self.grpc, self.pb, self.opts = grpc, pb, opts
+        if ca_file:
+            with open(ca_file, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self.channel = grpc.aio.secure_channel(target, creds)
+        else:
+            self.channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.SpecServeStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {opts.api_key}"),) if opts.api_key else ()
+
+    def _bad_request(self, i: int):
+        pb = self.pb
+        bad = [
+            pb.GenerateRequest(prompt="hello", sampling_params=pb.SamplingParams(top_p=2.0)),
+            pb.GenerateRequest(prompt="hello", sampling_params=pb.SamplingParams(max_tokens=0)),
+            pb.GenerateRequest(prompt="", sampling_params=pb.SamplingParams(max_tokens=4)),
+            pb.GenerateRequest(
+                messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="hi")]),
+                sampling_params=pb.SamplingParams(max_tokens=4),
+            ),
+        ]
+        return bad[i % len(bad)]
+
+    async def run(self, prompt: str, mode: str, rng: random.Random, n: int) -> Result:
+        pb, opts = self.pb, self.opts
+        res = Result("grpc", "ok", prompt=prompt)
+        if mode == "bad":
+            request = self._bad_request(n)
+        else:
+            request = pb.GenerateRequest(
+                prompt=prompt,
+                sampling_params=pb.SamplingParams(max_tokens=opts.max_tokens, temperature=opts.temperature),
+            )
+        cancel_after = rng.randint(1, 3)
+        start = time.perf_counter()
+        last = start
+        chunks = 0
+        call = self.stub.GenerateStream(request, metadata=self.metadata, timeout=opts.timeout_s)
+        try:
+            async for msg in call:
+                now = time.perf_counter()
+                if msg.token_ids or msg.text:
+                    chunks += 1
+                    if res.ttft_s is None:
+                        res.ttft_s = now - start
+                    else:
+                        res.chunk_gaps_s.append(now - last)
+                    last = now
+                res.text += msg.text
+                res.completion_tokens = msg.usage.completion_tokens
+                if msg.finish_reason:
+                    res.finish_reason = pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+                if mode == "cancel" and chunks >= cancel_after and not msg.finish_reason:
+                    call.cancel()
+                    res.kind = "cancelled"
+                    break
+            if mode == "bad":
+                res.kind, res.error, res.expected = "error", "bad_input_accepted", False
+        except self.grpc.aio.AioRpcError as exc:
+            kind = _GRPC_KINDS.get(exc.code().name, exc.code().name.lower())
+            res.kind, res.error = "error", kind
+            res.expected = (mode == "bad" and kind == "invalid_argument") or kind == "queue_full"
+        res.e2e_s = time.perf_counter() - start
+        return res
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+# --------------------------------------------------------------------------- HTTP client
+
+
+class HttpClient:
+    def __init__(self, base_url: str, opts: Options, ca_file: str | None, session):
+        self.base, self.opts, self.session = base_url, opts, session
+        self.ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        self.headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+
+    def _bad_body(self, i: int) -> bytes:
+        bad = [
+            b'{"prompt": "hello", "max_tokens": ',  # malformed JSON
+            json.dumps({"prompt": "hello", "temperature": -1}).encode(),
+            json.dumps({"prompt": "hello", "n": 2}).encode(),
+            json.dumps({"prompt": ["a", "b"]}).encode(),
+        ]
+        return bad[i % len(bad)]
+
+    async def run(self, prompt: str, mode: str, rng: random.Random, n: int) -> Result:
+        import aiohttp
+
+        opts = self.opts
+        res = Result("http", "ok", prompt=prompt)
+        if mode == "bad":
+            body = self._bad_body(n)
+        else:
+            body = json.dumps({
+                "prompt": prompt, "max_tokens": opts.max_tokens, "temperature": opts.temperature,
+                "stream": True, "stream_options": {"include_usage": True},
+            }).encode()  # fmt: skip
+        cancel_after = rng.randint(1, 3)
+        start = time.perf_counter()
+        last = start
+        chunks = 0
+        headers = {**self.headers, "Content-Type": "application/json"}
+        try:
+            async with self.session.post(
+                f"{self.base}/v1/completions", data=body, headers=headers, ssl=self.ssl,
+                timeout=aiohttp.ClientTimeout(total=opts.timeout_s),
+            ) as resp:  # fmt: skip
+                if resp.status != 200:
+                    kind = _HTTP_KINDS.get(resp.status, f"http_{resp.status}")
+                    res.kind, res.error = "error", kind
+                    res.expected = (mode == "bad" and kind == "invalid_argument") or kind == "queue_full"
+                    await resp.read()
+                    res.e2e_s = time.perf_counter() - start
+                    return res
+                if mode == "bad":
+                    res.kind, res.error, res.expected = "error", "bad_input_accepted", False
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: ") :]
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        res.kind, res.error, res.expected = "error", event["error"].get("code") or "stream_error", False
+                        break
+                    if event.get("usage"):
+                        res.completion_tokens = event["usage"]["completion_tokens"]
+                    for choice in event.get("choices", []):
+                        now = time.perf_counter()
+                        if choice.get("text"):
+                            chunks += 1
+                            if res.ttft_s is None:
+                                res.ttft_s = now - start
+                            else:
+                                res.chunk_gaps_s.append(now - last)
+                            last = now
+                            res.text += choice["text"]
+                        if choice.get("finish_reason"):
+                            res.finish_reason = choice["finish_reason"]
+                    if mode == "cancel" and chunks >= cancel_after and res.finish_reason is None:
+                        resp.close()  # drop the connection: the server aborts the request
+                        res.kind = "cancelled"
+                        break
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            res.kind, res.error, res.expected = "error", f"http_{type(exc).__name__}", False
+        res.e2e_s = time.perf_counter() - start
+        return res
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+def _mismatch(text: str, reference: str) -> bool:
+    return not (text.startswith(reference) or reference.startswith(text))
+
+
+async def _scrape(http_url: str | None, ca_file: str | None, session) -> dict[str, float]:
+    """Gauges after the run; waits up to 5 s for running requests to drain."""
+    if not http_url:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sslctx = ssl.create_default_context(cafile=ca_file) if ca_file else None
+    wanted = ("specserve_num_requests_running", "specserve_num_requests_waiting", "specserve_kv_cache_usage_perc")
+    out: dict[str, float] = {}
+    for _ in range(50):
+        async with session.get(f"{http_url}/metrics", ssl=sslctx) as resp:
+            text = await resp.text()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            if family.name in wanted:
+                out[family.name.removeprefix("specserve_")] = sum(s.value for s in family.samples)
+        if not out.get("num_requests_running") and not out.get("num_requests_waiting"):
+            break
+        await asyncio.sleep(0.1)
+    return out
+
+
+async def run_load(args: argparse.Namespace, prompts: list[str], reference: dict[str, str]) -> dict[str, Any]:
+    import aiohttp
+
+    opts = Options(args.max_tokens, args.temperature, args.api_key, args.request_timeout_s,
+                   args.cancel_fraction, args.bad_fraction)  # fmt: skip
+    session = aiohttp.ClientSession()
+    grpc_client = GrpcClient(args.grpc_target, opts, args.ca_file) if args.grpc_target else None
+    http_client = HttpClient(args.http_url, opts, args.ca_file, session) if args.http_url else None
+    clients = [c for c in (grpc_client, http_client) if c is not None]
+    results: list[Result] = []
+    deadline = time.perf_counter() + args.duration_s
+
+    async def worker(index: int) -> None:
+        client = clients[index % len(clients)]
+        rng = random.Random(args.seed * 1000 + index)
+        n = 0
+        while time.perf_counter() < deadline:
+            prompt = prompts[(index + n) % len(prompts)]
+            r = rng.random()
+            if r < opts.bad_fraction:
+                mode = "bad"
+            elif r < opts.bad_fraction + opts.cancel_fraction:
+                mode = "cancel"
+            else:
+                mode = "normal"
+            results.append(await client.run(prompt, mode, rng, n))
+            n += 1
+
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker(i) for i in range(args.clients)))
+        wall = time.perf_counter() - started
+        after = await _scrape(args.http_url, args.ca_file, session)
+    finally:
+        if grpc_client is not None:
+            await grpc_client.close()
+        await session.close()
+    return summarize(results, wall, reference, args.temperature, after)
+
+
+def summarize(results: list[Result], wall_s: float, reference: dict[str, str], temperature: float,
+              after: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+    ok = [r for r in results if r.kind == "ok"]
+    expected = Counter()
+    unexpected = Counter()
+    for r in results:
+        if r.kind == "cancelled":
+            expected["cancelled"] += 1
+        elif r.kind == "error":
+            (expected if r.expected else unexpected)[f"{r.protocol}:{r.error}"] += 1
+        elif r.finish_reason not in ("stop", "length"):
+            unexpected[f"{r.protocol}:finish_reason_{r.finish_reason}"] += 1
+    mismatches = []
+    if reference and temperature == 0.0:
+        for r in ok:
+            ref = reference.get(r.prompt)
+            if ref is not None and _mismatch(r.text, ref):
+                mismatches.append({"protocol": r.protocol, "prompt": r.prompt, "got": r.text, "expected": ref})
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    gaps = [g for r in ok for g in r.chunk_gaps_s]
+    tpot = [
+        (r.e2e_s - r.ttft_s) / (r.completion_tokens - 1)
+        for r in ok
+        if r.ttft_s is not None and r.completion_tokens > 1
+    ]
+    tokens = sum(r.completion_tokens for r in ok)
+    return {
+        "duration_s": round(wall_s, 3),
+        "requests": {"total": len(results), "ok": len(ok), "cancelled": expected["cancelled"],
+                     "by_protocol": dict(Counter(r.protocol for r in results))},  # fmt: skip
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "completion_tokens": tokens,
+        "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99), "mean": statistics.fmean(ttft) if ttft else None},
+        "itl_s": {"p50": _pct(gaps, 50), "p99": _pct(gaps, 99)},
+        "tpot_s": {"p50": _pct(tpot, 50), "p99": _pct(tpot, 99)},
+        "errors": {"expected": dict(expected), "unexpected": dict(unexpected)},
+        "mismatches": {"count": len(mismatches), "checked": sum(1 for r in ok if r.prompt in reference),
+                       "examples": mismatches[:5]},  # fmt: skip
+        "after_run": after,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specserve-loadgen", description=__doc__.split("\n\n")[0])
+    p.add_argument("--grpc-target", help="host:port of the gRPC server (loopback only)")
+    p.add_argument("--http-url", help="base URL of the HTTP server, e.g. http://127.0.0.1:8000 (loopback only)")
+    p.add_argument("--clients", type=int, default=4, help=f"concurrent streaming clients (1..{MAX_CLIENTS})")
+    p.add_argument("--duration-s", type=float, default=10.0, help=f"seconds to run (<= {MAX_DURATION_S:.0f})")
+    p.add_argument("--cancel-fraction", type=float, default=0.1, help="share of requests cancelled mid-stream")
+    p.add_argument("--bad-fraction", type=float, default=0.1, help="share of requests with bad input")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (needed for --reference checks)")
+    p.add_argument("--prompts-file", help="one prompt per line (default: a built-in list)")
+    p.add_argument("--reference", help="JSON map prompt -> expected greedy text")
+    p.add_argument("--api-key", help="sent as 'authorization: Bearer <key>'")
+    p.add_argument("--ca-file", help="CA certificate for a TLS server")
+    p.add_argument("--request-timeout-s", type=float, default=120.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", help="write the JSON report here too")
+    return p
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.grpc_target and not args.http_url:
+        p.error("give --grpc-target and/or --http-url")
+    if not 1 <= args.clients <= MAX_CLIENTS:
+        p.error(f"--clients must be in 1..{MAX_CLIENTS}, got {args.clients}")
+    if not 0 < args.duration_s <= MAX_DURATION_S:
+        p.error(f"--duration-s must be in (0, {MAX_DURATION_S:.0f}], got {args.duration_s}")
+    for name in ("cancel_fraction", "bad_fraction"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
+    if args.cancel_fraction + args.bad_fraction > 1.0:
+        p.error("--cancel-fraction + --bad-fraction must be <= 1")
+    if args.max_tokens < 1:
+        p.error("--max-tokens must be >= 1")
+    try:
+        if args.grpc_target:
+            parse_grpc_target(args.grpc_target)
+        if args.http_url:
+            args.http_url = check_http_url(args.http_url)
+    except NotLoopbackError as exc:
+        p.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _validate(parser, args)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        if not prompts:
+            parser.error(f"--prompts-file {args.prompts_file}: no prompts")
+    else:
+        prompts = list(BUILTIN_PROMPTS)
+    reference: dict[str, str] = {}
+    if args.reference:
+        with open(args.reference, encoding="utf-8") as f:
+            reference = json.load(f)
+        if not isinstance(reference, dict) or not all(isinstance(v, str) for v in reference.values()):
+            parser.error("--reference must be a JSON object mapping prompt -> text")
+    report = asyncio.run(run_load(args, prompts, reference))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0 if not report["errors"]["unexpected"] and not report["mismatches"]["count"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

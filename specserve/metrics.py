@@ -1,0 +1,227 @@
+"""Every Prometheus object specserve exports, on an injected registry.
+
+``SpecServeMetrics`` implements the engine's ``StatsListener``: the engine
+reports raw events (drafts proposed, drafts accepted, tokens, latencies) and
+this module only counts them; ratios are derived at query time in PromQL.
+No object touches ``prometheus_client``'s global default registry.
+
+All series carry the labels ``model_name`` and ``method`` (the speculative
+method, ``none`` without speculation).
+
+Speculative decoding (vLLM's vocabulary: a *draft* is one proposal round for
+one request; *draft tokens* the tokens it proposed; *accepted* those the
+target kept)::
+
+    specserve_spec_decode_num_drafts_total
+    specserve_spec_decode_num_draft_tokens_total
+    specserve_spec_decode_num_accepted_tokens_total
+    specserve_spec_decode_num_accepted_tokens_per_pos_total{position="0".."K-1"}
+    specserve_spec_decode_acceptance_length          histogram, 1 + accepted per request-step, buckets 1..K+1
+    specserve_spec_decode_config_info{num_speculative_tokens, lossless}   1
+
+``lossless="false"`` in ``specserve_spec_decode_config_info`` marks a server
+whose rejection sampler is ``synthetic`` (a benchmarking aid that accepts
+drafts at a fixed rate, so outputs are not the target model's).  Join on it to
+keep such series out of dashboards::
+
+    specserve_spec_decode_num_drafts_total * on(model_name, method) group_left
+      specserve_spec_decode_config_info{lossless="true"}
+
+Derived figures (PromQL; use the same range everywhere)::
+
+    # mean acceptance length: tokens emitted per draft round (1 = nothing accepted)
+    1 + rate(specserve_spec_decode_num_accepted_tokens_total[5m])
+          / rate(specserve_spec_decode_num_drafts_total[5m])
+
+    # acceptance rate: share of proposed draft tokens that were accepted
+    rate(specserve_spec_decode_num_accepted_tokens_total[5m])
+      / rate(specserve_spec_decode_num_draft_tokens_total[5m])
+
+    # per-position acceptance rate: P(draft at position p accepted) per draft round
+    rate(specserve_spec_decode_num_accepted_tokens_per_pos_total[5m])
+      / ignoring(position) group_left
+      rate(specserve_spec_decode_num_drafts_total[5m])
+
+    # p99 time to first token
+    histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
+
+Serving::
+
+    specserve_num_requests_running      gauge
+    specserve_num_requests_waiting      gauge
+    specserve_kv_cache_usage_perc       gauge, fraction of KV blocks in use, 0..1 (vLLM's name and unit)
+    specserve_prompt_tokens_total       counter, prompt tokens prefilled
+    specserve_generation_tokens_total   counter, tokens emitted
+    specserve_request_success_total{finished_reason="stop|length|abort"}
+    specserve_request_errors_total{reason}     requests answered with an error status (invalid_argument,
+                                               queue_full, draining, unauthenticated, engine_dead, ...)
+    specserve_time_to_first_token_seconds      histogram, 0.001 .. 2560 s
+    specserve_inter_token_latency_seconds      histogram, 0.01 .. 80 s
+    specserve_e2e_request_latency_seconds      histogram
+    specserve_iteration_tokens_total           histogram, tokens (prompt + generated) per engine step
+
+``docs/metrics.md`` repeats this list for operators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from specserve.engine.stats import RequestFinishedStats, StepStats
+
+FINISHED_REASONS = ("stop", "length", "abort")
+
+# vLLM's buckets, so dashboards carry over.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class MetricsIdentity:
+    """What the label values and the info metric say about the served model."""
+
+    model_name: str
+    method: str  # "none" without speculation
+    num_speculative_tokens: int  # K, 0 without speculation
+    lossless: bool = True
+
+
+class SpecServeMetrics:
+    """All specserve metrics on ``registry``; a ``StatsListener`` for the engine.
+
+    Thread-safe: the engine calls ``on_step``/``on_request_finished`` from its
+    own thread while the servers render ``registry`` from the event loop.
+    """
+
+    def __init__(self, registry: CollectorRegistry, identity: MetricsIdentity):
+        self.registry = registry
+        self.identity = identity
+        labels = ("model_name", "method")
+        values = {"model_name": identity.model_name, "method": identity.method or "none"}
+        k = max(0, int(identity.num_speculative_tokens))
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels + extra, registry=registry)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(**values)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry).labels(**values)
+
+        info = Info(
+            "specserve_spec_decode_config",
+            "Speculative-decoding setup; lossless=false when rejection sampling is synthetic.",
+            labels,
+            registry=registry,
+        )
+        info.labels(**values).info(
+            {"num_speculative_tokens": str(k), "lossless": "true" if identity.lossless else "false"}
+        )
+
+        # Prometheus appends _total to counter names.
+        self.num_drafts = counter(
+            "specserve_spec_decode_num_drafts", "Draft rounds (one per request per step that proposed)."
+        ).labels(**values)
+        self.num_draft_tokens = counter(
+            "specserve_spec_decode_num_draft_tokens", "Draft tokens proposed."
+        ).labels(**values)
+        self.num_accepted_tokens = counter(
+            "specserve_spec_decode_num_accepted_tokens", "Draft tokens accepted by the target."
+        ).labels(**values)
+        per_pos = counter(
+            "specserve_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0-based).",
+            ("position",),
+        )
+        # Children for every position up front, so each series starts at 0.
+        self.accepted_per_pos = [per_pos.labels(**values, position=str(p)) for p in range(k)]
+        self._per_pos_family = per_pos
+        self._values = values
+        self.acceptance_length = histogram(
+            "specserve_spec_decode_acceptance_length",
+            "Tokens emitted per draft round: 1 + accepted drafts (one observation per request per step).",
+            tuple(float(b) for b in range(1, k + 2)),
+        )
+
+        self.num_running = gauge("specserve_num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("specserve_num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge(
+            "specserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1, as vLLM's)."
+        )
+        self.prompt_tokens = counter("specserve_prompt_tokens", "Prompt tokens prefilled.").labels(**values)
+        self.generation_tokens = counter("specserve_generation_tokens", "Tokens generated.").labels(**values)
+        success = counter("specserve_request_success", "Finished requests by reason.", ("finished_reason",))
+        self.request_success = {r: success.labels(**values, finished_reason=r) for r in FINISHED_REASONS}
+        self._success_family = success
+        self._errors_family = counter(
+            "specserve_request_errors", "Requests answered with an error status, by reason.", ("reason",)
+        )
+        self.ttft = histogram("specserve_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("specserve_inter_token_latency_seconds", "Time between emitted tokens.", ITL_BUCKETS)
+        self.e2e = histogram("specserve_e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.iteration_tokens = histogram(
+            "specserve_iteration_tokens_total", "Tokens (prompt + generated) per engine step.", ITERATION_TOKEN_BUCKETS
+        )
+
+    # ------------------------------------------------------------------ StatsListener
+
+    def on_step(self, stats: StepStats) -> None:
+        self.set_queue_state(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.num_prompt_tokens or stats.num_generation_tokens:
+            self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+        for req in stats.requests:
+            if req.num_draft_tokens > 0:
+                self.num_drafts.inc()
+                self.num_draft_tokens.inc(req.num_draft_tokens)
+                self.num_accepted_tokens.inc(req.num_accepted_tokens)
+                self.acceptance_length.observe(1 + req.num_accepted_tokens)
+                for pos, accepted in enumerate(req.accepted_per_position):
+                    if accepted:
+                        self._per_pos(pos).inc()
+            if req.time_to_first_token_s is not None:
+                self.ttft.observe(req.time_to_first_token_s)
+            if req.inter_token_latency_s is not None:
+                self.itl.observe(req.inter_token_latency_s)
+
+    def on_request_finished(self, stats: RequestFinishedStats) -> None:
+        reason = stats.finish_reason
+        child = self.request_success.get(reason)
+        if child is None:  # a reason this build does not know: still count it
+            child = self._success_family.labels(**self._values, finished_reason=str(reason))
+        child.inc()
+        self.e2e.observe(stats.e2e_latency_s)
+
+    # ------------------------------------------------------------------ server side
+
+    def set_queue_state(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """Set the gauges (from a step, or from the engine's properties at scrape time)."""
+        self.num_running.set(num_running)
+        self.num_waiting.set(num_waiting)
+        self.kv_cache_usage.set(kv_cache_usage)
+
+    def on_request_error(self, reason: str) -> None:
+        """Count a request answered with an error (``specserve.server.errors`` kind name)."""
+        self._errors_family.labels(**self._values, reason=reason).inc()
+
+    def _per_pos(self, pos: int):
+        if pos < len(self.accepted_per_pos):
+            return self.accepted_per_pos[pos]
+        return self._per_pos_family.labels(**self._values, position=str(pos))

@@ -1,0 +1,234 @@
+"""What both front ends share: admission, tokenization, defaults, the stream.
+
+The gRPC servicer and the HTTP app translate their wire formats into a
+``PreparedRequest`` here and consume ``Frontend.stream``, so validation,
+queueing, health and abort-on-disconnect behave the same on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.config import ServerConfig
+from specserve.errors import EngineDeadError, EngineDrainingError, InvalidRequestError, QueueFullError
+from specserve.metrics import SpecServeMetrics
+from specserve.request import RequestOutput, SamplingParams
+from specserve.server.errors import EngineRequestError, UnknownModelError, classify
+
+log = logging.getLogger("specserve.server")
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class SamplingFields:
+    """Sampling fields as received; None means "not sent" and takes the default."""
+
+    temperature: Any = None
+    top_p: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    max_tokens: Any = None
+    seed: Any = None
+    stop: Any = None
+    stop_token_ids: Any = None
+    ignore_eos: Any = None
+
+
+class HealthState:
+    """SERVING unless draining or the engine has failed; notifies watchers on change."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self.draining = False
+        self.engine_failed = False
+        self._last: bool | None = None
+        self._watchers: list[Callable[[bool], None]] = []
+
+    @property
+    def serving(self) -> bool:
+        return not self.draining and not self.engine_failed and bool(self._engine.healthy)
+
+    @property
+    def reason(self) -> str:
+        if self.draining:
+            return "draining"
+        if self.engine_failed or not self._engine.healthy:
+            return "engine_dead"
+        return "ok"
+
+    def watch(self, callback: Callable[[bool], None]) -> None:
+        self._watchers.append(callback)
+
+    def refresh(self) -> bool:
+        serving = self.serving
+        if serving != self._last:
+            self._last = serving
+            if not serving:
+                log.warning("health: NOT_SERVING (%s)", self.reason)
+            for callback in self._watchers:
+                callback(serving)
+        return serving
+
+    def mark_draining(self) -> None:
+        self.draining = True
+        self.refresh()
+
+    def mark_engine_failed(self) -> None:
+        self.engine_failed = True
+        self.refresh()
+
+
+class Frontend:
+    def __init__(self, engine: Any, cfg: ServerConfig, metrics: SpecServeMetrics, health: HealthState):
+        self.engine = engine
+        self.cfg = cfg
+        self.metrics = metrics
+        self.health = health
+        self.model_name: str = engine.info.model_name
+        self._inflight: set[str] = set()
+        self._consumers: dict[str, asyncio.Task] = {}  # request id -> the handler task reading it
+        self._failed: set[str] = set()  # ids whose handler was cancelled by fail_stuck_requests
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ------------------------------------------------------------------ input
+
+    def check_model(self, requested: Any) -> None:
+        if requested is None or requested == "":
+            return
+        if not isinstance(requested, str):
+            raise InvalidRequestError("model", f"must be a string, got {type(requested).__name__}")
+        if requested != self.model_name:
+            raise UnknownModelError(requested, self.model_name)
+
+    def tokenize_prompt(self, prompt: str) -> list[int]:
+        if prompt == "":
+            raise InvalidRequestError("prompt", "must not be empty")
+        ids = list(self.engine.tokenizer.encode(prompt))
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty (it tokenized to no tokens)")
+        return ids
+
+    def check_token_ids(self, ids: Any, field: str = "prompt_token_ids") -> list[int]:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError(field, "must be a list of integer token ids")
+        if not ids:
+            raise InvalidRequestError(field, "must not be empty")
+        if any(t < 0 for t in ids):
+            raise InvalidRequestError(field, "token ids must be >= 0")
+        return ids
+
+    def tokenize_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        # The tokenizer validates roles and contents (InvalidRequestError naming messages[i].role, ...).
+        ids = list(self.engine.tokenizer.apply_chat_template(messages))
+        if not ids:
+            raise InvalidRequestError("messages", "the chat template produced an empty prompt")
+        return ids
+
+    def make_params(self, f: SamplingFields) -> SamplingParams:
+        params = SamplingParams(
+            temperature=1.0 if f.temperature is None else f.temperature,
+            top_p=1.0 if f.top_p is None else f.top_p,
+            top_k=0 if f.top_k is None else f.top_k,
+            min_p=0.0 if f.min_p is None else f.min_p,
+            max_tokens=self.cfg.default_max_tokens if f.max_tokens is None else f.max_tokens,
+            seed=f.seed,
+            stop=[] if f.stop is None else f.stop,
+            stop_token_ids=[] if f.stop_token_ids is None else f.stop_token_ids,
+            ignore_eos=False if f.ignore_eos is None else f.ignore_eos,
+        )
+        return params.validate(self.cfg.max_tokens_cap)
+
+    def prepare(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
+        return PreparedRequest(request_id or f"req-{uuid.uuid4().hex}", prompt_token_ids, params)
+
+    # ------------------------------------------------------------------ admission and stream
+
+    def admit(self) -> None:
+        """Refuse new work while draining or after an engine failure."""
+        if self.health.draining:
+            raise EngineDrainingError("the server is shutting down; retry on another replica")
+        if self.health.engine_failed or not self.engine.healthy:
+            self.health.mark_engine_failed()
+            raise EngineDeadError("the engine has failed; this replica cannot serve requests")
+        # The engine enforces server.max_queue too; checking here keeps the bound even if it did not.
+        if self.engine.num_waiting >= self.cfg.max_queue:
+            raise QueueFullError(f"the waiting queue is full ({self.cfg.max_queue} requests); retry later")
+
+    async def stream(self, req: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for ``req``. Closing this generator early aborts the request.
+
+        Raises the errors of ``classify``'s table; an output with ``error`` set
+        becomes ``EngineRequestError`` (INTERNAL / 500).
+        """
+        self.admit()
+        if req.request_id in self._inflight:
+            raise InvalidRequestError("request_id", f"{req.request_id!r} is already in flight")
+        rid = req.request_id
+        self._inflight.add(rid)
+        self._idle.clear()
+        task = asyncio.current_task()
+        if task is not None:
+            self._consumers[rid] = task
+        try:
+            gen = self.engine.generate(rid, req.prompt_token_ids, req.params)
+            async with aclosing(gen):
+                async for out in gen:
+                    if out.error:
+                        self.health.mark_engine_failed()
+                        raise EngineRequestError(f"the engine failed this request: {out.error}")
+                    yield out
+        except EngineDeadError:
+            self.health.mark_engine_failed()
+            raise
+        except asyncio.CancelledError:
+            if rid in self._failed and task is not None:
+                task.uncancel()  # our own cancellation: turn it into an INTERNAL error
+                raise EngineDeadError("the engine stopped responding; the request was abandoned") from None
+            raise
+        finally:
+            self._inflight.discard(rid)
+            self._consumers.pop(rid, None)
+            self._failed.discard(rid)
+            if not self._inflight:
+                self._idle.set()
+
+    def fail_stuck_requests(self) -> int:
+        """After an engine failure: end requests still waiting on the dead engine with INTERNAL.
+
+        The engine should itself deliver a final output with ``error`` set; this
+        is the backstop so that no client hangs on an engine that never answers.
+        """
+        for rid, task in list(self._consumers.items()):
+            if rid not in self._failed:
+                self._failed.add(rid)
+                task.cancel()
+        return len(self._failed)
+
+    def record_error(self, exc: BaseException) -> str:
+        kind = classify(exc).name
+        self.metrics.on_request_error(kind)
+        return kind
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False

@@ -1,0 +1,247 @@
+"""The gRPC front end: ``specserve.v1.SpecServe`` plus health and reflection.
+
+Streaming uses ``context.write`` from a coroutine (not an async generator), so
+a cancelled call or a passed deadline always lands as an exception inside the
+handler, which closes the engine stream and thereby aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specserve.errors import ConfigError, InvalidRequestError
+from specserve.request import FinishReason, RequestOutput
+from specserve.server.auth import OPEN_GRPC_SERVICES, ApiKeyChecker
+from specserve.server.errors import (
+    INTERNAL,
+    DeadlineExceededError,
+    UnauthenticatedError,
+    classify,
+    public_message,
+)
+from specserve.server.frontend import Frontend, PreparedRequest, SamplingFields
+from specserve.v1 import specserve_pb2 as pb
+from specserve.v1 import specserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger("specserve.server.grpc")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SpecServe"].full_name  # "specserve.v1.SpecServe"
+
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+def sampling_fields(sp: pb.SamplingParams) -> SamplingFields:
+    """Proto -> SamplingFields; unset ``optional`` fields stay None and take the defaults."""
+    return SamplingFields(
+        temperature=sp.temperature if sp.HasField("temperature") else None,
+        top_p=sp.top_p if sp.HasField("top_p") else None,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop=list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+    )
+
+
+def _response(request_id: str, text: str, token_ids: list[int], out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=request_id,
+        text=text,
+        token_ids=token_ids,
+        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids)),
+    )
+    if out.finished:
+        msg.finish_reason = _FINISH.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+        s = out.spec
+        msg.spec_decode.CopyFrom(
+            pb.SpecDecodeStats(
+                num_drafts=s.num_drafts,
+                num_draft_tokens=s.num_draft_tokens,
+                num_accepted_tokens=s.num_accepted_tokens,
+                mean_acceptance_length=s.mean_acceptance_length,
+            )
+        )
+    return msg
+
+
+@asynccontextmanager
+async def _deadline(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Abort the work inside at the call's deadline (DEADLINE_EXCEEDED)."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        yield
+        return
+    try:
+        async with asyncio.timeout(max(0.0, remaining)):
+            yield
+    except TimeoutError:
+        raise DeadlineExceededError("the call's deadline passed; the request was aborted") from None
+
+
+class SpecServeServicer(pb_grpc.SpecServeServicer):
+    def __init__(self, frontend: Frontend):
+        self.fe = frontend
+
+    def _prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
+        fe = self.fe
+        fe.check_model(request.model)
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            ids = fe.tokenize_prompt(request.prompt)
+        elif which == "prompt_token_ids":
+            ids = fe.check_token_ids(list(request.prompt_token_ids.ids))
+        elif which == "messages":
+            ids = fe.tokenize_messages([{"role": m.role, "content": m.content} for m in request.messages.messages])
+        else:
+            raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
+        params = fe.make_params(sampling_fields(request.sampling_params))
+        return fe.prepare(request.request_id, ids, params)
+
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        kind = classify(exc)
+        self.fe.record_error(exc)
+        if kind is INTERNAL:
+            log.error("gRPC request failed", exc_info=exc)
+        else:
+            log.info("gRPC request refused: %s: %s", kind.name, exc)
+        await context.abort(kind.grpc_code, public_message(exc))
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        try:
+            req = self._prepare(request)
+            last: RequestOutput | None = None
+            async with _deadline(context):
+                async with aclosing(self.fe.stream(req)) as outputs:
+                    async for out in outputs:
+                        last = out
+            assert last is not None and last.finished, "the engine ended a stream without a final output"
+            return _response(req.request_id, last.text, list(last.token_ids), last)
+        except Exception as exc:  # mapped to a status by the errors table
+            await self._fail(context, exc)
+            raise  # unreachable: abort raises
+
+    async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        try:
+            req = self._prepare(request)
+            async with _deadline(context):
+                async with aclosing(self.fe.stream(req)) as outputs:
+                    async for out in outputs:
+                        if out.new_token_ids or out.new_text or out.finished:
+                            await context.write(_response(req.request_id, out.new_text, list(out.new_token_ids), out))
+        except Exception as exc:
+            await self._fail(context, exc)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        info = self.fe.engine.info
+        return pb.ModelInfo(
+            model_name=info.model_name,
+            method=info.method or "none",
+            num_speculative_tokens=info.num_speculative_tokens,
+            max_model_len=info.max_model_len,
+            dtype=str(info.dtype),
+            device=str(info.device),
+            lossless=bool(info.lossless),
+        )
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Demand ``authorization: Bearer <key>`` on every service but health."""
+
+    def __init__(self, checker: ApiKeyChecker, frontend: Frontend):
+        self._checker = checker
+        self._fe = frontend
+
+    async def intercept_service(self, continuation, handler_call_details):
+        service = handler_call_details.method.lstrip("/").split("/", 1)[0]
+        if service in OPEN_GRPC_SERVICES:
+            return await continuation(handler_call_details)
+        metadata = {k.lower(): v for k, v in (handler_call_details.invocation_metadata or ())}
+        try:
+            self._checker.check(metadata.get("authorization"))
+        except UnauthenticatedError as exc:
+            self._fe.record_error(exc)
+            handler = await continuation(handler_call_details)
+            return None if handler is None else _denying_handler(handler, str(exc))
+        return await continuation(handler_call_details)
+
+
+def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def deny(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(deny, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, **kw)
+    return grpc.stream_stream_rpc_method_handler(deny, **kw)
+
+
+class GrpcHealth:
+    """``grpc.health.v1.Health`` with a status for "" (the server) and for SpecServe."""
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.servicer.set(name, status)
+
+
+def _address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"{host}:{port}"
+
+
+async def start_grpc_server(
+    frontend: Frontend,
+    grpc_health: GrpcHealth,
+    checker: ApiKeyChecker,
+    host: str,
+    port: int,
+    tls: tuple[bytes, bytes] | None,
+) -> tuple[grpc.aio.Server, int]:
+    """Build, bind and start the server; return it with the bound port."""
+    interceptors = [_AuthInterceptor(checker, frontend)] if checker.enabled else []
+    # so_reuseport=0: a second server on the same port must fail, not share it silently.
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_SpecServeServicer_to_server(SpecServeServicer(frontend), server)
+    health_pb2_grpc.add_HealthServicer_to_server(grpc_health.servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    address = _address(host, port)
+    try:
+        if tls is not None:
+            cert, key = tls
+            bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError("server.grpc_port", f"cannot listen on {address}: {exc}") from None
+    if not bound:
+        raise ConfigError("server.grpc_port", f"cannot listen on {address} (in use or not permitted)")
+    await server.start()
+    return server, bound

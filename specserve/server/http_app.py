@@ -1,0 +1,409 @@
+"""The OpenAI-compatible HTTP front end (aiohttp).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream: true`` as server-sent events ending in ``data: [DONE]``),
+``GET /v1/models[/{model}]``, ``GET /health`` (200 serving / 503 not) and
+``GET /metrics`` (Prometheus text format).
+
+Besides OpenAI's fields, every completion (and the final chunk of a stream)
+carries ``spec_decode: {num_drafts, num_draft_tokens, num_accepted_tokens,
+mean_acceptance_length}`` for the request, as newer vLLM does.
+
+The runner is created with ``handler_cancellation=True``: when a client
+disconnects, aiohttp cancels the handler, which closes the engine stream and
+aborts the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from specserve.errors import InvalidRequestError
+from specserve.request import RequestOutput
+from specserve.server.auth import OPEN_HTTP_PATHS, ApiKeyChecker
+from specserve.server.errors import INTERNAL, classify, openai_error_body
+from specserve.server.frontend import Frontend, PreparedRequest, SamplingFields
+
+log = logging.getLogger("specserve.server.http")
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+# OpenAI fields this server does not implement: accepted only at their no-op values.
+_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+FRONTEND_KEY = web.AppKey("frontend", Frontend)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _json_error(exc: BaseException) -> web.Response:
+    status, body = openai_error_body(exc)
+    return web.json_response(body, status=status)
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError("body", f"is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _optional_bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequestError(name, f"must be a boolean, got {type(value).__name__}")
+    return value
+
+
+def _common_checks(body: dict[str, Any]) -> tuple[bool, bool]:
+    """Checks shared by both endpoints; returns (stream, include_usage)."""
+    for name, allowed in _UNSUPPORTED_FIELDS.items():
+        if name in body and body[name] not in allowed:
+            raise InvalidRequestError(name, "is not supported by this server")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise InvalidRequestError("n", f"only n=1 is supported, got {n!r}")
+    stream = _optional_bool(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise InvalidRequestError("stream_options", "must be an object")
+        if not stream:
+            raise InvalidRequestError("stream_options", "is only allowed with stream: true")
+        include_usage = _optional_bool(options, "include_usage")
+    return stream, include_usage
+
+
+def _sampling_fields(body: dict[str, Any]) -> tuple[SamplingFields, str]:
+    max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    fields = SamplingFields(
+        temperature=body.get("temperature"),
+        top_p=body.get("top_p"),
+        top_k=body.get("top_k"),
+        min_p=body.get("min_p"),
+        max_tokens=body.get(max_key),
+        seed=body.get("seed"),
+        stop=stop,
+        stop_token_ids=body.get("stop_token_ids"),
+        ignore_eos=body.get("ignore_eos"),
+    )
+    return fields, max_key
+
+
+def _params(fe: Frontend, body: dict[str, Any]):
+    fields, max_key = _sampling_fields(body)
+    try:
+        return fe.make_params(fields)
+    except InvalidRequestError as exc:
+        if exc.field == "max_tokens" and max_key != "max_tokens":  # name the field the client sent
+            raise InvalidRequestError(max_key, str(exc).split(": ", 1)[1]) from None
+        raise
+
+
+def _completion_prompt(fe: Frontend, body: dict[str, Any]) -> list[int]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise InvalidRequestError("prompt", "is required")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return fe.tokenize_prompt(prompt)
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return fe.check_token_ids(prompt, field="prompt")
+        if len(prompt) == 1:  # a batch of one: ["text"] or [[ids]]
+            return _completion_prompt(fe, {"prompt": prompt[0]})
+        if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise InvalidRequestError("prompt", f"only one prompt per request is supported, got {len(prompt)}")
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+    raise InvalidRequestError("prompt", "must be a string or a list of token ids")
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "is required: a non-empty list of {role, content} objects")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
+        content = msg.get("content")
+        if content is None:  # e.g. an assistant turn that only called tools
+            content = ""
+        elif isinstance(content, list):  # content parts: only text is supported
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequestError(f"messages[{i}].content", "only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
+        out.append({"role": msg.get("role"), "content": content})  # the tokenizer checks the role
+    return out
+
+
+# --------------------------------------------------------------------------- response shapes
+
+
+def _spec_decode(out: RequestOutput) -> dict[str, Any]:
+    s = out.spec
+    return {
+        "num_drafts": s.num_drafts,
+        "num_draft_tokens": s.num_draft_tokens,
+        "num_accepted_tokens": s.num_accepted_tokens,
+        "mean_acceptance_length": s.mean_acceptance_length,
+    }
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    completion = len(out.token_ids)
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": out.num_prompt_tokens + completion,
+    }
+
+
+def _finish(out: RequestOutput) -> str | None:
+    return out.finish_reason.value if out.finished and out.finish_reason is not None else None
+
+
+class _Shape:
+    """How one endpoint names its objects and places text in a choice."""
+
+    def __init__(self, chat: bool, response_id: str, model: str):
+        self.chat = chat
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, out: RequestOutput) -> dict[str, Any]:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": None,
+                "finish_reason": _finish(out),
+            }
+            body = self._envelope("chat.completion")
+        else:
+            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": _finish(out)}
+            body = self._envelope("text_completion")
+        body.update(choices=[choice], usage=_usage(out), spec_decode=_spec_decode(out))
+        return body
+
+    def chunk(self, out: RequestOutput | None, include_usage: bool) -> dict[str, Any]:
+        """A stream chunk; ``out=None`` is the chat role preamble."""
+        if self.chat:
+            body = self._envelope("chat.completion.chunk")
+            if out is None:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""}
+            else:
+                delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+            finish = None if out is None else _finish(out)
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            body = self._envelope("text_completion")
+            choice = {"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": _finish(out)}
+        body["choices"] = [choice]
+        if include_usage:
+            body["usage"] = None
+        if out is not None and out.finished:
+            body["spec_decode"] = _spec_decode(out)
+        return body
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        body.update(choices=[], usage=_usage(out), spec_decode=_spec_decode(out))
+        return body
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+async def _generate(
+    request: web.Request, req: PreparedRequest, shape: _Shape, stream: bool, include_usage: bool
+) -> web.StreamResponse:
+    fe = request.app[FRONTEND_KEY]
+    async with aclosing(fe.stream(req)) as outputs:
+        if not stream:
+            last = None
+            async for out in outputs:
+                last = out
+            assert last is not None and last.finished, "the engine ended a stream without a final output"
+            return web.json_response(shape.full(last))
+
+        # Wait for the first output before sending headers: errors raised before
+        # it (queue full, bad input, draining) still get their HTTP status.
+        first = await anext(outputs)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        await response.prepare(request)
+        if shape.chat:
+            await response.write(_sse(shape.chunk(None, include_usage)))
+        out = first
+        try:
+            while True:
+                if out.new_text or out.new_token_ids or out.finished:
+                    await response.write(_sse(shape.chunk(out, include_usage)))
+                if out.finished:
+                    break
+                out = await anext(outputs)
+            if include_usage:
+                await response.write(_sse(shape.usage_chunk(out)))
+        except ConnectionError:
+            raise  # the client is gone; closing ``outputs`` aborts the request
+        except Exception as exc:  # after the headers: report in-band, as OpenAI does
+            fe.record_error(exc)
+            if classify(exc) is INTERNAL:
+                log.error("HTTP stream failed", exc_info=exc)
+            await response.write(_sse(openai_error_body(exc)[1]))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    fe = request.app[FRONTEND_KEY]
+    body = await _read_json(request)
+    fe.check_model(body.get("model"))
+    stream, include_usage = _common_checks(body)
+    ids = _completion_prompt(fe, body)
+    params = _params(fe, body)
+    shape = _Shape(False, f"cmpl-{uuid.uuid4().hex}", fe.model_name)
+    req = fe.prepare(shape.id, ids, params)
+    return await _generate(request, req, shape, stream, include_usage)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    fe = request.app[FRONTEND_KEY]
+    body = await _read_json(request)
+    fe.check_model(body.get("model"))
+    stream, include_usage = _common_checks(body)
+    ids = fe.tokenize_messages(_chat_messages(body))
+    params = _params(fe, body)
+    shape = _Shape(True, f"chatcmpl-{uuid.uuid4().hex}", fe.model_name)
+    req = fe.prepare(shape.id, ids, params)
+    return await _generate(request, req, shape, stream, include_usage)
+
+
+def _model_card(fe: Frontend) -> dict[str, Any]:
+    info = fe.engine.info
+    return {
+        "id": info.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "specserve",
+        "max_model_len": info.max_model_len,
+        "spec_decode": {
+            "method": info.method or "none",
+            "num_speculative_tokens": info.num_speculative_tokens,
+            "lossless": bool(info.lossless),
+        },
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[FRONTEND_KEY])]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND_KEY]
+    fe.check_model(request.match_info["model"])
+    return web.json_response(_model_card(fe))
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[FRONTEND_KEY].health
+    serving = state.refresh()
+    return web.json_response({"status": state.reason}, status=200 if serving else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND_KEY]
+    engine = fe.engine
+    fe.metrics.set_queue_state(engine.num_running, engine.num_waiting, engine.kv_cache_usage)
+    return web.Response(body=generate_latest(fe.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# --------------------------------------------------------------------------- app
+
+
+def _error_middleware(checker: ApiKeyChecker):
+    @web.middleware
+    async def middleware(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        fe = request.app[FRONTEND_KEY]
+        try:
+            if request.path not in OPEN_HTTP_PATHS:
+                checker.check(request.headers.get("Authorization"))
+            return await handler(request)
+        except web.HTTPException as exc:  # routing errors (404, 405, 413): OpenAI-style bodies too
+            if exc.status < 400:
+                raise
+            body = {"error": {"message": exc.reason, "type": "invalid_request_error", "param": None, "code": None}}
+            return web.json_response(body, status=exc.status)
+        except ConnectionError:
+            raise  # the client is gone; nothing to answer
+        except Exception as exc:
+            kind = fe.record_error(exc)
+            if classify(exc) is INTERNAL:
+                log.error("HTTP %s %s failed", request.method, request.path, exc_info=exc)
+            else:
+                log.info("HTTP %s %s refused: %s: %s", request.method, request.path, kind, exc)
+            return _json_error(exc)
+
+    return middleware
+
+
+def build_http_app(frontend: Frontend, checker: ApiKeyChecker) -> web.Application:
+    app = web.Application(middlewares=[_error_middleware(checker)], client_max_size=MAX_BODY_BYTES)
+    app[FRONTEND_KEY] = frontend
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,327 @@
+"""Start, drain and stop both servers around one engine.
+
+``run_server`` is the process entry (blocks until SIGTERM/SIGINT, drains,
+returns 0).  ``start_servers`` runs the same servers on a background event
+loop and returns a ``ServerHandle`` (bound ports, ``drain()``, ``stop()``) for
+tests and embedding.
+
+Drain order on SIGTERM: health turns NOT_SERVING (gRPC health and HTTP
+``/health``); new requests get UNAVAILABLE / 503 while the listeners stay up;
+``engine.drain(server.drain_timeout_s)`` lets in-flight requests finish and
+aborts what remains at the timeout (finish_reason ``abort``); the handlers
+send their final messages; the listeners close; the engine shuts down.  A
+second signal skips the wait and aborts everything at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+import socket
+import ssl
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from specserve.config import Config, ServerConfig
+from specserve.errors import ConfigError
+from specserve.metrics import MetricsIdentity, SpecServeMetrics
+from specserve.server.auth import ApiKeyChecker, resolve_api_key
+from specserve.server.frontend import Frontend, HealthState
+from specserve.server.grpc_service import GrpcHealth, start_grpc_server
+from specserve.server.http_app import build_http_app
+
+log = logging.getLogger("specserve.server")
+
+HEALTH_POLL_S = 0.2  # how often engine.healthy is re-read for gRPC health watchers
+HANDLER_GRACE_S = 5.0  # after engine.drain: time for handlers to send their final messages
+ENGINE_DEAD_GRACE_S = 2.0  # after the engine fails: time it has to fail in-flight requests itself
+
+
+def _read_tls(cfg: ServerConfig) -> tuple[bytes, bytes] | None:
+    if not cfg.tls_cert_file and not cfg.tls_key_file:
+        return None
+    if not (cfg.tls_cert_file and cfg.tls_key_file):
+        raise ConfigError("server.tls_cert_file", "TLS needs both server.tls_cert_file and server.tls_key_file")
+    out = []
+    for key, path in (("server.tls_cert_file", cfg.tls_cert_file), ("server.tls_key_file", cfg.tls_key_file)):
+        try:
+            with open(path, "rb") as f:
+                out.append(f.read())
+        except OSError as exc:
+            raise ConfigError(key, f"cannot read {path}: {exc.strerror or exc}") from None
+    return out[0], out[1]
+
+
+def _ssl_context(cfg: ServerConfig) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError("server.tls_cert_file", f"cannot load the certificate/key pair: {exc}") from None
+    return ctx
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError("server.http_port", f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def metrics_identity(engine: Any) -> MetricsIdentity:
+    info = engine.info
+    return MetricsIdentity(
+        model_name=info.model_name,
+        method=info.method or "none",
+        num_speculative_tokens=int(info.num_speculative_tokens or 0),
+        lossless=bool(info.lossless),
+    )
+
+
+class SpecServeServers:
+    """The gRPC and HTTP servers on the running event loop, sharing one Frontend."""
+
+    def __init__(self, cfg: ServerConfig, engine: Any, registry: CollectorRegistry | None = None):
+        self.cfg = cfg
+        self.engine = engine
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = SpecServeMetrics(self.registry, metrics_identity(engine))
+        engine.add_stats_listener(self.metrics)
+        self.health = HealthState(engine)
+        self.grpc_port = 0
+        self.http_port = 0
+        self.frontend: Frontend | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._watchdog: asyncio.Task | None = None
+        self._stopped = False
+        self.engine_dead_grace_s = ENGINE_DEAD_GRACE_S
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        tls = _read_tls(cfg)
+        checker = ApiKeyChecker(resolve_api_key(cfg))
+        self.frontend = Frontend(self.engine, cfg, self.metrics, self.health)
+        grpc_health = GrpcHealth()
+        await grpc_health.set(self.health.refresh())
+        self.health.watch(lambda serving: self._spawn(grpc_health.set(serving)))
+        try:
+            self._grpc, self.grpc_port = await start_grpc_server(
+                self.frontend, grpc_health, checker, cfg.host, cfg.grpc_port, tls
+            )
+            sock = _bind(cfg.host, cfg.http_port)
+            self.http_port = sock.getsockname()[1]
+            self._runner = web.AppRunner(
+                build_http_app(self.frontend, checker),
+                handler_cancellation=True,  # a disconnect cancels the handler -> abort
+                shutdown_timeout=HANDLER_GRACE_S,
+                access_log=logging.getLogger("specserve.server.access"),
+            )
+            await self._runner.setup()
+            await web.SockSite(self._runner, sock, ssl_context=_ssl_context(cfg) if tls else None).start()
+        except BaseException:
+            await self.stop(grace_s=0)
+            raise
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
+        scheme = "https" if tls else "http"
+        log.info(
+            "serving %s: gRPC on %s:%d%s, HTTP on %s://%s:%d, API key %s",
+            self.engine.info.model_name, cfg.host, self.grpc_port, " (TLS)" if tls else "",
+            scheme, cfg.host, self.http_port, "required" if checker.enabled else "off",
+        )  # fmt: skip
+
+    async def _watch_engine(self) -> None:
+        """Publish health changes; once the engine has failed, fail requests it leaves hanging."""
+        failed_at: float | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            self.health.refresh()
+            if not self.engine.healthy:
+                failed_at = loop.time() if failed_at is None else failed_at
+                if loop.time() - failed_at >= self.engine_dead_grace_s and self.frontend is not None:
+                    if self.frontend.num_inflight and self.frontend.fail_stuck_requests():
+                        log.error("the engine failed and left requests unanswered; ended them with INTERNAL")
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """NOT_SERVING, refuse new work, finish or abort in-flight requests, then stop."""
+        timeout_s = self.cfg.drain_timeout_s if timeout_s is None else timeout_s
+        self.health.mark_draining()
+        await asyncio.sleep(0)  # let the health watchers publish NOT_SERVING first
+        inflight = self.frontend.num_inflight if self.frontend else 0
+        log.info("draining: %d request(s) in flight, up to %.1f s", inflight, timeout_s)
+        await self.engine.drain(timeout_s)
+        if self.frontend is not None and not await self.frontend.wait_idle(HANDLER_GRACE_S):
+            log.warning("draining: %d handler(s) still running after the engine drained", self.frontend.num_inflight)
+        await self.stop()
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Close both listeners; RPCs still running after ``grace_s`` are cancelled (and so aborted)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        for task in list(self._tasks):
+            task.cancel()
+        log.info("servers stopped")
+
+
+def _server_config(cfg: Config | ServerConfig) -> ServerConfig:
+    return cfg.server if isinstance(cfg, Config) else cfg
+
+
+@dataclass
+class ServerHandle:
+    """Servers running on a background event loop (tests, embedding)."""
+
+    servers: SpecServeServers
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    shutdown_engine: bool = True
+
+    @property
+    def grpc_port(self) -> int:
+        return self.servers.grpc_port
+
+    @property
+    def http_port(self) -> int:
+        return self.servers.http_port
+
+    @property
+    def metrics(self) -> SpecServeMetrics:
+        return self.servers.metrics
+
+    def begin_drain(self, timeout_s: float | None = None) -> concurrent.futures.Future:
+        """Start a drain (as SIGTERM does) without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(self.servers.drain(timeout_s), self.loop)
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        self.begin_drain(timeout_s).result()
+        self._finish()
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self.servers.stop(), self.loop).result()
+        self._finish()
+
+    def _finish(self) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+        if self.shutdown_engine:
+            self.shutdown_engine = False
+            self.servers.engine.shutdown()
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_servers(
+    cfg: Config | ServerConfig,
+    engine: Any,
+    *,
+    registry: CollectorRegistry | None = None,
+    start_engine: bool = True,
+) -> ServerHandle:
+    """Start both servers on a new background event loop; return once they listen.
+
+    Port 0 in the config binds an ephemeral port; read it back from the handle.
+    The handle owns the engine's lifecycle: ``stop()``/``drain()`` shut it down.
+    """
+    server_cfg = _server_config(cfg)
+    loop = asyncio.new_event_loop()
+
+    def run_loop() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    thread = threading.Thread(target=run_loop, name="specserve-server", daemon=True)
+    thread.start()
+
+    servers = SpecServeServers(server_cfg, engine, registry)  # registers the metrics listener
+    if start_engine:
+        engine.start()
+    try:
+        asyncio.run_coroutine_threadsafe(servers.start(), loop).result()
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        if start_engine:
+            engine.shutdown()
+        raise
+    return ServerHandle(servers, loop, thread, shutdown_engine=start_engine)
+
+
+def run_server(cfg: Config | ServerConfig, engine: Any) -> int:
+    """Serve until SIGTERM/SIGINT, drain, shut the engine down; return the exit code (0).
+
+    Raises ConfigError when a port cannot be bound or the TLS files cannot be read.
+    """
+    return asyncio.run(_serve(_server_config(cfg), engine))
+
+
+async def _serve(cfg: ServerConfig, engine: Any) -> int:
+    loop = asyncio.get_running_loop()
+    servers = SpecServeServers(cfg, engine)  # registers the metrics listener before the engine runs
+    engine.start()
+    try:
+        await servers.start()
+        stop_requested = asyncio.Event()
+        signals_seen: list[int] = []
+        drain_task: asyncio.Task | None = None
+
+        def on_signal(signum: int) -> None:
+            signals_seen.append(signum)
+            if len(signals_seen) == 1:
+                log.info("%s received: draining (up to %.1f s)", signal.Signals(signum).name, cfg.drain_timeout_s)
+                stop_requested.set()
+            elif drain_task is not None:
+                log.warning("second signal: aborting in-flight requests now")
+                drain_task.cancel()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await stop_requested.wait()
+        drain_task = loop.create_task(servers.drain())
+        try:
+            await drain_task
+        except asyncio.CancelledError:
+            await servers.stop(grace_s=0)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        return 0
+    finally:
+        await servers.stop(grace_s=0)
+        engine.shutdown()
