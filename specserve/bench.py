@@ -1,0 +1,283 @@
+"""``specserve-bench``: the configured engine against its baselines, in ONE
+process, on the same ShareGPT prompts, greedy.
+
+Runs: ``specserve`` (the configured method), ``specserve_vanilla`` (same
+engine, no method), ``hf_generate`` (transformers ``generate`` on the same
+weights and dtype) and ``hf_prompt_lookup`` (ngram) or ``hf_assisted``
+(draft_model).  Writes JSON with tokens/s, acceptance figures, greedy-match
+fractions and, for each differing prompt, where it diverged and the reference
+run's top-2 logit gap there (a flip at a near-tie is numerics, not a bug).
+Machines are shared and noisy: read the ratios, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from specserve.config import Config
+from specserve.data import bench_prompts
+from specserve.engine.engine import LLMEngine
+from specserve.engine.stats import RequestFinishedStats, StepStats
+from specserve.executor.loader import LoadedModel, default_cache_dir, load_model, resolve_device
+from specserve.executor.runner import SeqInput
+from specserve.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    tokens_per_second: float
+    output_tokens: int
+    wall_s: float
+    outputs: list[list[int]] = field(repr=False, default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"tokens_per_second": self.tokens_per_second, "output_tokens": self.output_tokens, "wall_s": self.wall_s}
+        d.update(self.extra)
+        return d
+
+
+class AcceptanceCounter:
+    """StatsListener that accumulates acceptance per draft position."""
+
+    def __init__(self, k: int):
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.accepted = 0
+        self.per_pos_drafted = [0] * k
+        self.per_pos_accepted = [0] * k
+
+    def on_step(self, s: StepStats) -> None:
+        for r in s.requests:
+            if r.num_draft_tokens == 0:
+                continue
+            self.num_drafts += 1
+            self.num_draft_tokens += r.num_draft_tokens
+            self.accepted += r.num_accepted_tokens
+            for i, ok in enumerate(r.accepted_per_position):
+                self.per_pos_drafted[i] += 1
+                self.per_pos_accepted[i] += int(ok)
+
+    def on_request_finished(self, s: RequestFinishedStats) -> None:
+        pass
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "mean_acceptance_length": 1 + self.accepted / self.num_drafts if self.num_drafts else 1.0,
+            "acceptance_rate": self.accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            # P(draft at position i accepted) over all draft rounds (vLLM's per_pos / drafts).
+            "acceptance_rate_per_position": [a / self.num_drafts if self.num_drafts else 0.0 for a in self.per_pos_accepted],
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.accepted,
+        }
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> RunResult:
+    """Closed loop: keep `concurrency` requests in flight until all prompts are done."""
+    outputs: dict[int, list[int]] = {}
+    pending = list(range(len(prompts)))
+    in_flight: dict[str, int] = {}
+    tag = time.monotonic_ns()
+    t0 = time.perf_counter()
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            i = pending.pop(0)
+            rid = f"bench-{tag}-{i}"
+            engine.add_request(rid, prompts[i], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            in_flight[rid] = i
+        for out in engine.step():
+            if out.finished:
+                outputs[in_flight.pop(out.request_id)] = out.token_ids
+    wall = time.perf_counter() - t0
+    toks = [outputs[i] for i in range(len(prompts))]
+    n = sum(len(t) for t in toks)
+    return RunResult(n / wall, n, wall, toks)
+
+
+def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, eos: tuple[int, ...], **kw: Any) -> RunResult:
+    outs: list[list[int]] = []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=model.device)
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                eos_token_id=list(eos), pad_token_id=eos[0], **kw,
+            )
+            outs.append(gen[0, len(p):].tolist())
+    wall = time.perf_counter() - t0
+    n = sum(len(o) for o in outs)
+    return RunResult(n / wall, n, wall, outs)
+
+
+def top2_gap(target: LoadedModel, engine: LLMEngine, ids: list[int]) -> float:
+    """Top-2 logit gap of the engine's model at the end of `ids` (fresh cache blocks)."""
+    table: list[int] = []
+    if not engine.blocks.ensure(table, len(ids)):
+        return float("nan")
+    try:
+        out = engine.runner.forward([SeqInput(ids, 0, table, [len(ids) - 1])])
+        top = out.logits[0].topk(2).values
+        return float(top[0] - top[1])
+    finally:
+        engine.blocks.free(table)
+
+
+def compare(
+    name: str, runs: dict[str, RunResult], a: str, b: str, prompts: list[list[int]], gap: Callable[[list[int]], float],
+    report: dict[str, Any],
+) -> None:
+    if a not in runs or b not in runs:
+        return
+    same = 0
+    divergences = []
+    for i, (x, y) in enumerate(zip(runs[a].outputs, runs[b].outputs)):
+        if x == y:
+            same += 1
+            continue
+        pos = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        divergences.append(
+            {"prompt_index": i, "position": pos, "reference_top2_logit_gap": gap(prompts[i] + y[:pos]),
+             "len_a": len(x), "len_b": len(y)}
+        )
+    report["greedy_match"][name] = same / len(prompts)
+    report["greedy_divergences"][name] = divergences
+
+
+def measure_bandwidth_gbs(device: torch.device) -> float:
+    x = torch.empty(64 << 20, dtype=torch.uint8, device=device)  # 64 MiB, beyond the caches
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        y.copy_(x)
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.numel() / best / 1e9  # read + write
+
+
+def _weight_bytes(m: LoadedModel) -> int:
+    # What one decode step must stream: every weight once (tied embeddings read once, by the LM head).
+    return sum(p.numel() * p.element_size() for n, p in m.model.named_parameters() if n != "embed_tokens.weight" or m.arch.tie_word_embeddings)
+
+
+def run_bench(cfg: Config) -> int:
+    b = cfg.bench
+    device = resolve_device(cfg.engine.device)
+    if cfg.engine.num_threads is not None:
+        torch.set_num_threads(cfg.engine.num_threads)
+    m = cfg.model
+    target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir)
+    cache = Path(m.cache_dir) if m.cache_dir else default_cache_dir()
+    engine = LLMEngine(cfg, target=target)
+    tok = engine.tokenizer
+    texts = bench_prompts(b.num_prompts, b.seed, cache)
+    prompts: list[list[int]] = []
+    for t in texts:
+        ids = tok.apply_chat_template([{"role": "user", "content": t}])
+        if len(ids) <= b.max_prompt_tokens and len(ids) + b.max_tokens < engine.max_model_len:
+            prompts.append(ids)
+        if len(prompts) == b.num_prompts:
+            break
+    method = cfg.method.method if cfg.method else "none"
+    k = engine.k
+    log.info("bench: %d prompts, max_tokens=%d, concurrency=%d, method=%s K=%d dtype=%s", len(prompts), b.max_tokens,
+             b.concurrency, method, k, target.dtype)
+    runs: dict[str, RunResult] = {}
+    warm = prompts[: b.warmup]
+
+    counter = AcceptanceCounter(max(k, 1))
+    engine.listeners.append(counter)
+    if warm:
+        run_engine(engine, warm, 8, 1)
+    counter.__init__(max(k, 1))
+    runs["specserve"] = run_engine(engine, prompts, b.max_tokens, b.concurrency)
+    runs["specserve"].extra.update(counter.summary())
+    runs["specserve"].extra["concurrency"] = b.concurrency
+
+    vanilla = None
+    if "specserve_vanilla" in b.baselines:
+        vcfg = Config(**{**cfg.__dict__, "method": None})
+        vanilla = LLMEngine(vcfg, target=target) if cfg.method is not None else engine
+        if warm:
+            run_engine(vanilla, warm, 8, 1)
+        runs["specserve_vanilla"] = run_engine(vanilla, prompts, b.max_tokens, b.concurrency)
+        runs["specserve_vanilla"].extra["concurrency"] = b.concurrency
+        if b.concurrency > 1:
+            runs["specserve_vanilla_concurrency1"] = run_engine(vanilla, prompts, b.max_tokens, 1)
+
+    if "hf" in b.baselines:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(target.hf_dir), dtype=target.dtype, local_files_only=True)
+        hf = hf.to(device).eval()
+        eos = target.eos_token_ids
+        if warm:
+            run_hf(hf, warm, 8, eos)
+        runs["hf_generate"] = run_hf(hf, prompts, b.max_tokens, eos)
+        if method == "ngram":
+            kw = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": cfg.method.prompt_lookup_max}
+            runs["hf_prompt_lookup"] = run_hf(hf, prompts, b.max_tokens, eos, **kw)
+        elif method == "draft_model":
+            dpath = cfg.method.model or cfg.draft.path
+            dm = load_model(dpath, str(target.dtype).removeprefix("torch."), device, None,
+                            cfg.draft.cache_dir if cfg.draft else None)
+            assistant = AutoModelForCausalLM.from_pretrained(str(dm.hf_dir), dtype=target.dtype, local_files_only=True)
+            assistant = assistant.to(device).eval()
+            assistant.generation_config.num_assistant_tokens = k
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            assistant.generation_config.assistant_confidence_threshold = 0.0
+            runs["hf_assisted"] = run_hf(hf, prompts, b.max_tokens, eos, assistant_model=assistant)
+
+    report: dict[str, Any] = {
+        "config": {
+            "method": method, "num_speculative_tokens": k, "dtype": str(target.dtype).removeprefix("torch."),
+            "device": str(device), "model": cfg.model.name, "num_prompts": len(prompts), "max_tokens": b.max_tokens,
+            "concurrency": b.concurrency, "seed": b.seed, "threads": torch.get_num_threads(),
+            "method_config": asdict(cfg.method) if cfg.method else None,
+        },
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
+        "runs": {n: r.to_json() for n, r in runs.items()},
+        "greedy_match": {},
+        "greedy_divergences": {},
+    }
+    gap_engine = vanilla or engine
+    gap = lambda ids: top2_gap(target, gap_engine, ids)  # noqa: E731
+    compare("specserve_vs_specserve_vanilla", runs, "specserve", "specserve_vanilla", prompts, gap, report)
+    compare("specserve_vs_hf_generate", runs, "specserve", "hf_generate", prompts, gap, report)
+    compare("specserve_vanilla_vs_hf_generate", runs, "specserve_vanilla", "hf_generate", prompts, gap, report)
+    ratios = {}
+    for a_, b_ in [("specserve", "specserve_vanilla"), ("specserve", "hf_generate"), ("specserve_vanilla", "hf_generate"),
+                   ("specserve", "hf_prompt_lookup"), ("specserve", "hf_assisted"),
+                   ("specserve_vanilla", "specserve_vanilla_concurrency1")]:
+        if a_ in runs and b_ in runs:
+            ratios[f"{a_}_over_{b_}"] = runs[a_].tokens_per_second / runs[b_].tokens_per_second
+    report["ratios"] = ratios
+    bw = measure_bandwidth_gbs(device)
+    wb = _weight_bytes(target)
+    floor_ms = wb / (bw * 1e9) * 1e3
+    report["memory_bandwidth_floor"] = {
+        "measured_bandwidth_gbs": bw, "weight_bytes": wb, "floor_ms_per_token_batch1": floor_ms,
+    }
+    c1 = runs.get("specserve_vanilla_concurrency1") or (runs.get("specserve_vanilla") if b.concurrency == 1 else None)
+    if c1 is not None:
+        report["memory_bandwidth_floor"]["vanilla_c1_ms_per_token"] = 1e3 / c1.tokens_per_second
+        report["memory_bandwidth_floor"]["vanilla_c1_over_floor"] = (1e3 / c1.tokens_per_second) / floor_ms
+    out = Path(b.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({"runs": report["runs"], "ratios": ratios, "greedy_match": report["greedy_match"],
+                      "memory_bandwidth_floor": report["memory_bandwidth_floor"]}, indent=2))
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,208 @@
+"""Async facade over ``LLMEngine``: the engine steps in one background thread;
+callers on any asyncio loop get per-request async streams.
+
+Adds and aborts are queued to the engine thread and applied between steps, so
+the engine itself stays single-threaded.  A consumer that stops iterating
+(client gone, task cancelled, deadline) aborts its request; the engine frees
+its KV blocks at the start of the next step.  If a step raises, the engine is
+marked unhealthy and every in-flight request gets a final output with
+``error`` set: nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from specserve.config import Config
+from specserve.engine.engine import LLMEngine
+from specserve.engine.stats import StatsListener
+from specserve.errors import EngineDeadError, EngineDrainingError, QueueFullError, SpecServeError
+from specserve.request import FinishReason, RequestOutput, SamplingParams, SpecDecodeStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed
+            pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int):
+        self.engine = engine
+        self.info = engine.info
+        self.tokenizer = engine.tokenizer
+        self.max_queue = max_queue
+        self.healthy = True
+        self.failure: str | None = None
+        self._draining = False
+        self._stop = False
+        self._cv = threading.Condition()
+        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ facade
+    def add_stats_listener(self, listener: StatsListener) -> None:
+        self.engine.listeners.append(listener)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting + len(self._adds)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.engine.kv_cache_usage
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down")
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has failed: {self.failure}")
+        params.validate()
+        with self._cv:
+            if request_id in self._streams:
+                from specserve.errors import InvalidRequestError
+
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+            self.engine.validate_request(request_id, prompt_token_ids, params)
+            if self.num_waiting >= self.max_queue:
+                raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
+            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
+            self._streams[request_id] = stream
+            self._adds.append((request_id, list(prompt_token_ids), params))
+            self._cv.notify()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._cv:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests, let in-flight ones finish for up to `timeout_s`,
+        then abort the rest (they end with finish_reason abort)."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline and self.healthy:
+            await asyncio.sleep(0.01)
+        for rid in list(self._streams):
+            self.abort(rid)
+        end = time.monotonic() + 5.0
+        while self._streams and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cv:
+                while not (self._stop or self._adds or self._aborts or eng.has_unfinished()):
+                    self._cv.wait()
+                if self._stop:
+                    break
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+            try:
+                for rid, ids, params in adds:
+                    try:
+                        eng.add_request(rid, ids, params)
+                    except SpecServeError as e:
+                        self._deliver_error(rid, e)
+                for rid in aborts:
+                    out = eng.abort_request(rid)
+                    if out is not None:
+                        self._deliver(out)
+                for out in eng.step():
+                    self._deliver(out)
+            except Exception as e:  # an engine bug or device error: fail loudly, never hang
+                log.exception("engine step failed")
+                self._fail(f"{type(e).__name__}: {e}")
+                break
+        # Shutdown: end whatever is still in flight.
+        for rid in list(eng.requests):
+            out = eng.abort_request(rid)
+            if out is not None:
+                self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+
+    def _deliver_error(self, rid: str, e: BaseException) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.put(e)
+
+    def _fail(self, message: str) -> None:
+        self.healthy = False
+        self.failure = message
+        for rid, stream in list(self._streams.items()):
+            stream.put(
+                RequestOutput(
+                    request_id=rid, new_token_ids=[], new_text="", token_ids=[], text="", finished=True,
+                    finish_reason=FinishReason.ABORT, num_prompt_tokens=stream.num_prompt_tokens,
+                    spec=SpecDecodeStats(), error=message,
+                )
+            )
+        # Release engine state so nothing leaks even though the loop stops.
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # the engine is already broken; best effort
+                log.exception("abort after failure")
+
+
+def build_async_engine(cfg: Config) -> AsyncEngine:
+    return AsyncEngine(LLMEngine(cfg), cfg.server.max_queue)
