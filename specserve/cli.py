@@ -136,7 +136,9 @@ def compose_config(argv: list[str]) -> Config | None:
 
 def _run(argv: list[str] | None, body: Callable[[Config], int]) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    prog = Path(sys.argv[0]).name or "specserve"
+    prog = Path(sys.argv[0]).name
+    if not prog.startswith("specserve"):
+        prog = "specserve"  # python -m specserve.cli
     logging.basicConfig(
         level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

