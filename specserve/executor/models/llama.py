@@ -109,7 +109,9 @@ class Rotary(nn.Module):
 
     def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         # (T, 1, hd/2): broadcast over heads
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        cos = self.cos.index_select(0, positions).to(dtype)
+        sin = self.sin.index_select(0, positions).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -1,0 +1,143 @@
+{{/* vim: set filetype=mustache: */}}
+
+{{- define "specserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "specserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "specserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of the server pods (the test pod has another component). */}}
+{{- define "specserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: server
+{{- end }}
+
+{{- define "specserve.labels" -}}
+helm.sh/chart: {{ include "specserve.chart" . }}
+{{ include "specserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: specserve
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "specserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "specserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Label that admits a client pod through the NetworkPolicy. */}}
+{{- define "specserve.clientLabel" -}}
+{{- printf "%s-client" (include "specserve.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* GPUs per pod: the tensor-parallel size; 0 = CPU mode. */}}
+{{- define "specserve.gpus" -}}
+{{- int .Values.parallelism.tensorParallelSize }}
+{{- end }}
+
+{{- define "specserve.device" -}}
+{{- if gt (int .Values.parallelism.tensorParallelSize) 0 }}cuda{{ else }}cpu{{ end }}
+{{- end }}
+
+{{- define "specserve.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion (include "specserve.device" .)) }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Hydra overrides passed to `specserve`, one per line, in a stable order:
+model, method, K, draft, parallelism, device, server, then config.extraOverrides.
+*/}}
+{{- define "specserve.overrides" -}}
+{{- $v := .Values }}
+{{- $tp := int $v.parallelism.tensorParallelSize }}
+model={{ $v.model.name }}
+{{ with $v.model.dtype }}model.dtype={{ . }}
+{{ end }}
+{{- with $v.method.name }}+method={{ . }}
+method.num_speculative_tokens={{ int $v.method.numSpeculativeTokens }}
+{{ with $v.method.model }}method.model={{ . }}
+{{ end }}
+{{- end }}
+{{- with $v.draft.name }}draft={{ . }}
+{{ end -}}
+parallelism.tensor_parallel_size={{ max $tp 1 }}
+engine.device={{ include "specserve.device" . }}
+server.grpc_port={{ int $v.server.grpcPort }}
+server.http_port={{ int $v.server.httpPort }}
+server.drain_timeout_s={{ int $v.server.drainTimeoutSeconds }}
+{{ range $v.config.extraOverrides }}{{ . }}
+{{ end }}
+{{- end }}
+
+{{/* Full container args: --config-dir, optional --config-name, overrides. */}}
+{{- define "specserve.args" -}}
+- --config-dir
+- {{ .Values.config.dir | quote }}
+{{- with .Values.config.name }}
+- --config-name
+- {{ . | quote }}
+{{- end }}
+{{- range (include "specserve.overrides" . | trim | splitList "\n") }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* ConfigMap key <-> file path for group presets (keys cannot hold "/"). */}}
+{{- define "specserve.presetItems" -}}
+{{- range $group := list "model" "draft" }}
+{{- range $name, $_ := index $.Values.config.presets $group }}
+- key: {{ printf "%s--%s.yaml" $group $name }}
+  path: {{ printf "%s/%s.yaml" $group $name }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "specserve.terminationGracePeriodSeconds" -}}
+{{- if kindIs "invalid" .Values.terminationGracePeriodSeconds }}
+{{- add (int .Values.lifecycle.preStopSleepSeconds) (int .Values.server.drainTimeoutSeconds) 15 }}
+{{- else }}
+{{- int .Values.terminationGracePeriodSeconds }}
+{{- end }}
+{{- end }}
+
+{{/* KEDA is used only when asked for AND the cluster serves its API; otherwise the HPA. */}}
+{{- define "specserve.useKeda" -}}
+{{- if and .Values.autoscaling.enabled .Values.autoscaling.keda.enabled (.Capabilities.APIVersions.Has "keda.sh/v1alpha1/ScaledObject") }}true{{ end }}
+{{- end }}
+
+{{/* Cross-field checks the JSON schema cannot express. */}}
+{{- define "specserve.validate" -}}
+{{- if lt (int .Values.autoscaling.maxReplicas) (int .Values.autoscaling.minReplicas) }}
+{{- fail "autoscaling.maxReplicas must be >= autoscaling.minReplicas" }}
+{{- end }}
+{{- if and .Values.modelCache.persistence.enabled (not .Values.modelCache.persistence.existingClaim) (not .Values.modelCache.persistence.size) }}
+{{- fail "modelCache.persistence.size is required when the chart creates the PVC" }}
+{{- end }}
+{{- end }}
