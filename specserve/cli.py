@@ -169,16 +169,23 @@ def _generate(cfg: Config) -> int:
     from specserve.request import SamplingParams
 
     g = cfg.generate
-    if not g.prompts:
-        raise UsageError("generate.prompts: give at least one prompt, e.g. 'generate.prompts=[\"Hello\"]'")
+    if not g.prompts and not g.messages:
+        raise UsageError(
+            "generate.prompts: give prompts ('generate.prompts=[\"Hello\"]') or a conversation "
+            "('generate.messages=[{role:user,content:Hello}]')"
+        )
     engine = LLMEngine(cfg)
     tok = engine.tokenizer
     ids = [tok.apply_chat_template([{"role": "user", "content": p}]) if g.chat else tok.encode(p) for p in g.prompts]
+    labels = list(g.prompts)
+    if g.messages:
+        ids.append(tok.apply_chat_template([dict(m) for m in g.messages]))
+        labels.append(" | ".join(f"{m['role']}: {m['content']}" for m in g.messages))
     params = [
         SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_tokens, seed=g.seed)
         for _ in ids
     ]
-    for prompt, out in zip(g.prompts, engine.generate(ids, params)):
+    for prompt, out in zip(labels, engine.generate(ids, params)):
         print(f"### prompt: {prompt}\n{out.text}\n[finish_reason={out.finish_reason.value} tokens={len(out.token_ids)} "
               f"mean_acceptance_length={out.spec.mean_acceptance_length:.2f}]")
     return 0

@@ -121,8 +121,10 @@ class BenchConfig:
 
 @dataclass
 class GenerateConfig:
-    prompts: list[str] = field(default_factory=list)
-    chat: bool = True
+    prompts: list[str] = field(default_factory=list)  # each becomes one request
+    # One chat conversation as [{role: user, content: ...}, ...] (chat template applied).
+    messages: list[dict[str, str]] = field(default_factory=list)
+    chat: bool = True  # apply the chat template to each prompt (as a user turn)
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0

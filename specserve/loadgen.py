@@ -13,10 +13,22 @@ refused with INVALID_ARGUMENT / 400.  The report (stdout and ``--output``)::
     errors.expected / .unexpected       by kind; expected: bad input refused, client
                                         cancellations, queue_full (the bounded queue at work)
     mismatches                          temperature-0 outputs that disagree with --reference
-                                        (a map prompt -> greedy text; neither may be a prefix
-                                        of the other)
+                                        (a map prompt -> greedy text): a response that finished
+                                        with stop/length must equal it exactly; an aborted one
+                                        must be a prefix of it
+    accepted, lost                      requests the server accepted (HTTP 200 / a gRPC message
+                                        or OK status) and, of those, the ones that ended without
+                                        a finish_reason although the client did not cancel them
+                                        (lost or truncated: always unexpected)
     after_run                           num_requests_running and kv_cache_usage_perc scraped
                                         from /metrics once the clients stop (both should be 0)
+
+``--expect-shutdown`` is for a run during which the server is sent SIGTERM:
+requests refused because it is draining (UNAVAILABLE / 503 ``server_draining``)
+or because it is gone (connection refused) become expected errors, a client
+stops once the server is unreachable, and ``finish_reason`` ``abort`` (the
+drain timeout) is expected.  Anything cut without a response or a
+finish_reason stays unexpected.
 
 Only loopback targets are accepted: this tool is for checking a local server,
 not for loading someone else's.  Exit code: 0 when there were no unexpected
@@ -116,6 +128,9 @@ class Result:
     prompt: str = ""
     text: str = ""
     finish_reason: str | None = None
+    mode: str = "normal"  # normal | cancel | bad
+    accepted: bool = False  # the server took the request: HTTP 200, or a gRPC message / OK status
+    detail: str | None = None  # the error's message, for the report's examples
 
 
 _GRPC_KINDS = {
@@ -140,6 +155,7 @@ class Options:
     timeout_s: float
     cancel_fraction: float
     bad_fraction: float
+    expect_shutdown: bool = False
 
 
 # --------------------------------------------------------------------------- gRPC client
@@ -177,7 +193,7 @@ class GrpcClient:
 
     async def run(self, prompt: str, mode: str, rng: random.Random, n: int) -> Result:
         pb, opts = self.pb, self.opts
-        res = Result("grpc", "ok", prompt=prompt)
+        res = Result("grpc", "ok", prompt=prompt, mode=mode)
         if mode == "bad":
             request = self._bad_request(n)
         else:
@@ -192,6 +208,7 @@ class GrpcClient:
         call = self.stub.GenerateStream(request, metadata=self.metadata, timeout=opts.timeout_s)
         try:
             async for msg in call:
+                res.accepted = True
                 now = time.perf_counter()
                 if msg.token_ids or msg.text:
                     chunks += 1
@@ -208,12 +225,18 @@ class GrpcClient:
                     call.cancel()
                     res.kind = "cancelled"
                     break
+            else:
+                res.accepted = True  # the call ended with status OK
             if mode == "bad":
                 res.kind, res.error, res.expected = "error", "bad_input_accepted", False
         except self.grpc.aio.AioRpcError as exc:
             kind = _GRPC_KINDS.get(exc.code().name, exc.code().name.lower())
-            res.kind, res.error = "error", kind
+            res.kind, res.error, res.detail = "error", kind, exc.details()
             res.expected = (mode == "bad" and kind == "invalid_argument") or kind == "queue_full"
+            if opts.expect_shutdown and kind == "unavailable" and not res.accepted:
+                refused = _grpc_refusal(exc.details() or "")
+                if refused:
+                    res.error, res.expected = refused, True
         res.e2e_s = time.perf_counter() - start
         return res
 
@@ -243,7 +266,7 @@ class HttpClient:
         import aiohttp
 
         opts = self.opts
-        res = Result("http", "ok", prompt=prompt)
+        res = Result("http", "ok", prompt=prompt, mode=mode)
         if mode == "bad":
             body = self._bad_body(n)
         else:
@@ -265,9 +288,13 @@ class HttpClient:
                     kind = _HTTP_KINDS.get(resp.status, f"http_{resp.status}")
                     res.kind, res.error = "error", kind
                     res.expected = (mode == "bad" and kind == "invalid_argument") or kind == "queue_full"
-                    await resp.read()
+                    raw_body = await resp.read()
+                    res.detail = raw_body[:300].decode(errors="replace")
+                    if opts.expect_shutdown and resp.status == 503 and b"server_draining" in raw_body:
+                        res.error, res.expected = "refused_draining", True
                     res.e2e_s = time.perf_counter() - start
                     return res
+                res.accepted = True
                 if mode == "bad":
                     res.kind, res.error, res.expected = "error", "bad_input_accepted", False
                 async for raw in resp.content:
@@ -301,8 +328,22 @@ class HttpClient:
                         break
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             res.kind, res.error, res.expected = "error", f"http_{type(exc).__name__}", False
+            res.detail = str(exc)[:300]
+            if opts.expect_shutdown and isinstance(exc, aiohttp.ClientConnectorError):
+                res.error, res.expected = "unreachable", True  # no connection: never sent
         res.e2e_s = time.perf_counter() - start
         return res
+
+
+def _grpc_refusal(details: str) -> str | None:
+    """An UNAVAILABLE before any message that provably never reached the engine:
+    the server's own draining refusal, or no connection at all."""
+    if "shutting down" in details:  # EngineDrainingError's message
+        return "refused_draining"
+    low = details.lower()
+    if "failed to connect" in low or "connection refused" in low:
+        return "unreachable"
+    return None
 
 
 # --------------------------------------------------------------------------- driver
@@ -315,7 +356,10 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
-def _mismatch(text: str, reference: str) -> bool:
+def _mismatch(text: str, reference: str, finish_reason: str | None = None) -> bool:
+    """A completed (stop/length) answer must equal the reference; a cut one must be its prefix."""
+    if finish_reason in ("stop", "length"):
+        return text != reference
     return not (text.startswith(reference) or reference.startswith(text))
 
 
@@ -323,14 +367,18 @@ async def _scrape(http_url: str | None, ca_file: str | None, session) -> dict[st
     """Gauges after the run; waits up to 5 s for running requests to drain."""
     if not http_url:
         return {}
+    import aiohttp
     from prometheus_client.parser import text_string_to_metric_families
 
     sslctx = ssl.create_default_context(cafile=ca_file) if ca_file else None
     wanted = ("specserve_num_requests_running", "specserve_num_requests_waiting", "specserve_kv_cache_usage_perc")
     out: dict[str, float] = {}
     for _ in range(50):
-        async with session.get(f"{http_url}/metrics", ssl=sslctx) as resp:
-            text = await resp.text()
+        try:
+            async with session.get(f"{http_url}/metrics", ssl=sslctx) as resp:
+                text = await resp.text()
+        except aiohttp.ClientError as exc:  # e.g. the server was stopped during the run
+            return {"unreachable": f"{type(exc).__name__}: {exc}"}
         out = {}
         for family in text_string_to_metric_families(text):
             if family.name in wanted:
@@ -345,7 +393,7 @@ async def run_load(args: argparse.Namespace, prompts: list[str], reference: dict
     import aiohttp
 
     opts = Options(args.max_tokens, args.temperature, args.api_key, args.request_timeout_s,
-                   args.cancel_fraction, args.bad_fraction)  # fmt: skip
+                   args.cancel_fraction, args.bad_fraction, args.expect_shutdown)  # fmt: skip
     session = aiohttp.ClientSession()
     grpc_client = GrpcClient(args.grpc_target, opts, args.ca_file) if args.grpc_target else None
     http_client = HttpClient(args.http_url, opts, args.ca_file, session) if args.http_url else None
@@ -366,8 +414,13 @@ async def run_load(args: argparse.Namespace, prompts: list[str], reference: dict
                 mode = "cancel"
             else:
                 mode = "normal"
-            results.append(await client.run(prompt, mode, rng, n))
+            res = await client.run(prompt, mode, rng, n)
+            results.append(res)
             n += 1
+            if opts.expect_shutdown and res.error == "unreachable":
+                return  # the server is gone
+            if opts.expect_shutdown and res.error == "refused_draining":
+                await asyncio.sleep(0.1)  # do not spin while it drains
 
     started = time.perf_counter()
     try:
@@ -378,11 +431,11 @@ async def run_load(args: argparse.Namespace, prompts: list[str], reference: dict
         if grpc_client is not None:
             await grpc_client.close()
         await session.close()
-    return summarize(results, wall, reference, args.temperature, after)
+    return summarize(results, wall, reference, args.temperature, after, args.expect_shutdown)
 
 
 def summarize(results: list[Result], wall_s: float, reference: dict[str, str], temperature: float,
-              after: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+              after: dict[str, Any], expect_shutdown: bool = False) -> dict[str, Any]:  # fmt: skip
     ok = [r for r in results if r.kind == "ok"]
     expected = Counter()
     unexpected = Counter()
@@ -392,13 +445,17 @@ def summarize(results: list[Result], wall_s: float, reference: dict[str, str], t
         elif r.kind == "error":
             (expected if r.expected else unexpected)[f"{r.protocol}:{r.error}"] += 1
         elif r.finish_reason not in ("stop", "length"):
-            unexpected[f"{r.protocol}:finish_reason_{r.finish_reason}"] += 1
+            key = f"{r.protocol}:finish_reason_{r.finish_reason}"
+            (expected if expect_shutdown and r.finish_reason == "abort" else unexpected)[key] += 1
+    # Accepted by the server, not cancelled by us, and no finish_reason: lost or truncated.
+    lost = [r for r in results if r.accepted and r.kind != "cancelled" and r.finish_reason is None]
     mismatches = []
     if reference and temperature == 0.0:
         for r in ok:
             ref = reference.get(r.prompt)
-            if ref is not None and _mismatch(r.text, ref):
-                mismatches.append({"protocol": r.protocol, "prompt": r.prompt, "got": r.text, "expected": ref})
+            if ref is not None and _mismatch(r.text, ref, r.finish_reason):
+                mismatches.append({"protocol": r.protocol, "prompt": r.prompt, "got": r.text, "expected": ref,
+                                   "finish_reason": r.finish_reason})  # fmt: skip
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     gaps = [g for r in ok for g in r.chunk_gaps_s]
     tpot = [
@@ -417,11 +474,29 @@ def summarize(results: list[Result], wall_s: float, reference: dict[str, str], t
         "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99), "mean": statistics.fmean(ttft) if ttft else None},
         "itl_s": {"p50": _pct(gaps, 50), "p99": _pct(gaps, 99)},
         "tpot_s": {"p50": _pct(tpot, 50), "p99": _pct(tpot, 99)},
-        "errors": {"expected": dict(expected), "unexpected": dict(unexpected)},
+        "errors": {"expected": dict(expected), "unexpected": dict(unexpected),
+                   "unexpected_examples": [
+                       {"protocol": r.protocol, "error": r.error, "detail": r.detail}
+                       for r in results if r.kind == "error" and not r.expected
+                   ][:5]},
+        "accepted": sum(1 for r in results if r.accepted),
+        "finish_reasons": dict(Counter(str(r.finish_reason) for r in results if r.accepted)),
+        "lost": {"count": len(lost), "examples": [
+            {"protocol": r.protocol, "mode": r.mode, "kind": r.kind, "error": r.error, "detail": r.detail,
+             "completion_tokens": r.completion_tokens} for r in lost[:5]]},  # fmt: skip
         "mismatches": {"count": len(mismatches), "checked": sum(1 for r in ok if r.prompt in reference),
-                       "examples": mismatches[:5]},  # fmt: skip
+                       "examples": mismatches[:5], "distinct": _distinct(mismatches)},  # fmt: skip
         "after_run": after,
     }
+
+
+def _distinct(mismatches: list[dict[str, Any]], limit: int = 50) -> list[dict[str, Any]]:
+    """Each distinct (prompt, got) mismatch once, with how often it occurred."""
+    counts = Counter((m["prompt"], m["got"]) for m in mismatches)
+    first = {}
+    for m in mismatches:
+        first.setdefault((m["prompt"], m["got"]), m)
+    return [{**first[key], "occurrences": n} for key, n in counts.most_common(limit)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -441,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write the JSON report here too")
+    p.add_argument("--expect-shutdown", action="store_true",
+                   help="the server is stopped during the run: draining/unreachable refusals and "
+                        "finish_reason abort are expected; clients stop once it is unreachable")  # fmt: skip
     return p
 
 
@@ -490,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text + "\n")
-    return 0 if not report["errors"]["unexpected"] and not report["mismatches"]["count"] else 1
+    failed = report["errors"]["unexpected"] or report["mismatches"]["count"] or report["lost"]["count"]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

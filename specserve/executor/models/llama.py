@@ -74,10 +74,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # One fused kernel in float32, then the weight in the activation dtype (as HF does).
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -121,6 +120,33 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class PackedLinear(nn.Module):
+    """A bf16 linear whose weight is pre-packed in oneDNN's blocked layout.
+
+    On CPUs with AMX / AVX512-BF16 the stock bf16 GEMV reads weights at about
+    half the memory bandwidth; the packed layout is what torch.compile's CPU
+    freezing pass uses.  Results are identical to ``F.linear`` for decode-sized
+    inputs (a few rows)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None):
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        self.bias = bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, a: ArchConfig, layer_id: int):
         super().__init__()
@@ -143,15 +169,18 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         h = self.input_layernorm(x)
         qkv = self.qkv_proj(h)  # (T, q + 2kv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, a.num_heads, a.head_dim)
-        k = k.view(T, a.num_kv_heads, a.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(T, a.num_kv_heads, a.head_dim)
         if a.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(T, a.num_heads, a.head_dim))
+            k = self.k_norm(k.reshape(T, a.num_kv_heads, a.head_dim))
+            qk = torch.cat([q, k], dim=1)
+        else:
+            qk = qk.view(T, a.num_heads + a.num_kv_heads, a.head_dim)
+        # Rotate q and k heads together: one set of elementwise kernels per layer.
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
         k_cache, v_cache = kv.layer(self.layer_id)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # (T, heads, hd)
         x = x + self.o_proj(attn.reshape(T, self.q_size))
@@ -193,5 +222,16 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: (N, H) -> logits (N, V) in float32."""
+        if isinstance(self.lm_head, PackedLinear):
+            return self.lm_head(hidden).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w).float()
+
+    def prepack(self) -> None:
+        """Swap every projection (and the LM head) for a PackedLinear (CPU bf16)."""
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                lin = getattr(layer, name)
+                setattr(layer, name, PackedLinear(lin.weight, lin.bias))
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.lm_head = PackedLinear(w, None)
