@@ -147,12 +147,20 @@ def _run(argv: list[str] | None, body: Callable[[Config], int]) -> int:
         cfg = compose_config(argv)
         if cfg is None:
             return 0
+        _cap_onednn_isa(cfg)
         return body(cfg)
     except (UsageError, SpecServeError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _cap_onednn_isa(cfg: Config) -> None:
+    """oneDNN reads ONEDNN_MAX_CPU_ISA once, when torch loads: set it before that."""
+    isa = cfg.engine.onednn_max_cpu_isa
+    if isa and cfg.engine.device != "cuda" and "torch" not in sys.modules:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", isa)
 
 
 def _serve(cfg: Config) -> int:

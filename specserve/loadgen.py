@@ -24,11 +24,12 @@ refused with INVALID_ARGUMENT / 400.  The report (stdout and ``--output``)::
                                         from /metrics once the clients stop (both should be 0)
 
 ``--expect-shutdown`` is for a run during which the server is sent SIGTERM:
-requests refused because it is draining (UNAVAILABLE / 503 ``server_draining``)
-or because it is gone (connection refused) become expected errors, a client
-stops once the server is unreachable, and ``finish_reason`` ``abort`` (the
-drain timeout) is expected.  Anything cut without a response or a
-finish_reason stays unexpected.
+requests refused because it is draining (UNAVAILABLE / 503 ``server_draining``),
+because it is gone (connection refused), or gRPC calls that grpc core cancelled
+while the listener closed (CANCELLED before any message: no handler ran) become
+expected errors; a client stops once the server is unreachable, and
+``finish_reason`` ``abort`` (the drain timeout) is expected.  Anything else cut
+without a response or a finish_reason stays unexpected.
 
 Only loopback targets are accepted: this tool is for checking a local server,
 not for loading someone else's.  Exit code: 0 when there were no unexpected
@@ -233,8 +234,8 @@ class GrpcClient:
             kind = _GRPC_KINDS.get(exc.code().name, exc.code().name.lower())
             res.kind, res.error, res.detail = "error", kind, exc.details()
             res.expected = (mode == "bad" and kind == "invalid_argument") or kind == "queue_full"
-            if opts.expect_shutdown and kind == "unavailable" and not res.accepted:
-                refused = _grpc_refusal(exc.details() or "")
+            if opts.expect_shutdown and not res.accepted:
+                refused = _grpc_refusal(exc.code().name, exc.details() or "")
                 if refused:
                     res.error, res.expected = refused, True
         res.e2e_s = time.perf_counter() - start
@@ -335,14 +336,18 @@ class HttpClient:
         return res
 
 
-def _grpc_refusal(details: str) -> str | None:
-    """An UNAVAILABLE before any message that provably never reached the engine:
-    the server's own draining refusal, or no connection at all."""
-    if "shutting down" in details:  # EngineDrainingError's message
-        return "refused_draining"
+def _grpc_refusal(code: str, details: str) -> str | None:
+    """A gRPC error before any message that, with --expect-shutdown, means the request
+    never reached the engine: the server's draining refusal, no connection at all, or
+    a call grpc core cancelled while the server stopped (the listener closes only after
+    the drain has finished every admitted request, so such a call found no handler)."""
     low = details.lower()
-    if "failed to connect" in low or "connection refused" in low:
+    if code == "UNAVAILABLE" and "shutting down" in details:  # EngineDrainingError's message
+        return "refused_draining"
+    if code == "UNAVAILABLE" and ("failed to connect" in low or "connection refused" in low):
         return "unreachable"
+    if code == "CANCELLED" and low in ("", "cancelled"):  # not ours: we only cancel after a message
+        return "cancelled_at_server_stop"
     return None
 
 

@@ -30,8 +30,10 @@ class KVCache:
             num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
 
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        return self.data[i, 0], self.data[i, 1]
+        return self._layers[i]
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

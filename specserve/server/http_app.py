@@ -397,9 +397,19 @@ def _error_middleware(checker: ApiKeyChecker):
     return middleware
 
 
+async def _close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+    """While draining, answer with ``Connection: close``: a client must not reuse a
+    keep-alive connection that the listener is about to close under it (its next
+    request would be cut without any response)."""
+    if request.app[FRONTEND_KEY].health.draining:
+        response.force_close()  # close after this response ...
+        response.headers["Connection"] = "close"  # ... and say so (the header is computed before this hook)
+
+
 def build_http_app(frontend: Frontend, checker: ApiKeyChecker) -> web.Application:
     app = web.Application(middlewares=[_error_middleware(checker)], client_max_size=MAX_BODY_BYTES)
     app[FRONTEND_KEY] = frontend
+    app.on_response_prepare.append(_close_when_draining)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

@@ -66,7 +66,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as the reference models do."""
+    """RMSNorm over the last dimension."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -74,9 +74,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # One fused kernel in float32, then the weight in the activation dtype (as HF does).
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # One fused kernel (it accumulates in float32 for bf16 inputs).
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -107,17 +106,20 @@ class Rotary(nn.Module):
         self.register_buffer("sin", (freqs.sin() * scaling), persistent=False)
 
     def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        # (T, 1, hd/2): broadcast over heads
-        cos = self.cos.index_select(0, positions).to(dtype)
-        sin = self.sin.index_select(0, positions).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
+        """(T, 1, hd) tables, built once per forward: cos repeated over both halves,
+        and sin with the first half negated, so that rotate-half is a roll."""
+        cos = self.cos.index_select(0, positions)
+        sin = self.sin.index_select(0, positions)
+        cos_full = torch.cat((cos, cos), dim=-1).to(dtype)
+        sin_signed = torch.cat((-sin, sin), dim=-1).to(dtype)
+        return cos_full[:, None, :], sin_signed[:, None, :]
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (T, heads, hd); cos/sin: (T, 1, hd/2)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x: (T, heads, hd); cos/sin from ``Rotary.tables``: (T, 1, hd).
+
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + roll(x, hd/2) * sin_signed."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class PackedLinear(nn.Module):
