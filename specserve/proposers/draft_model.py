@@ -90,8 +90,20 @@ def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
     if dtype == "auto":
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[ctx.target.dtype]
     cache_dir = ctx.draft_model.cache_dir if ctx.draft_model is not None else None
+    if spec.max_model_len is not None and spec.max_model_len > ctx.target.max_model_len:
+        raise ConfigError(
+            "method.max_model_len",
+            f"{spec.max_model_len} exceeds the target's max_model_len ({ctx.target.max_model_len})",
+        )
     max_len = spec.max_model_len or ctx.target.max_model_len
     draft = load_model(path, dtype, ctx.target.device, max_len, cache_dir, key=key)
+    if spec.parallel_drafting:
+        mask = getattr(draft.hf_config, "pard_token", None) or getattr(draft.hf_config, "mask_token_id", None)
+        if mask is None:
+            raise ConfigError(
+                "method.parallel_drafting", "needs a draft whose config.json has pard_token (the mask token id)"
+            )
+        raise ConfigError("method.parallel_drafting", "PARD-style parallel drafting is not implemented in this build yet")
     if draft.arch.vocab_size != ctx.target.arch.vocab_size:
         raise ConfigError(
             key,

@@ -55,3 +55,34 @@ def test_duplicate_request_id(engine):
         engine.add_request("dup", [5, 6, 7], greedy(2))
     engine.abort_request("dup")
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_draft_with_another_vocabulary_is_a_config_error(tiny_llama, tmp_path):
+    from engine_utils import tiny_config
+    from specserve.errors import ConfigError
+    from tiny_models import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "v", "llama", vocab_size=600)
+    with pytest.raises(ConfigError, match="method.model.*vocabulary size 600"):
+        LLMEngine(tiny_config(tiny_llama, "draft_model", draft_dir=other))
+
+
+def test_parallel_drafting_needs_a_mask_token(tiny_llama):
+    from engine_utils import tiny_config
+    from specserve.errors import ConfigError
+
+    cfg = tiny_config(tiny_llama, "draft_model", draft_dir=tiny_llama)
+    cfg.method.parallel_drafting = True
+    with pytest.raises(ConfigError, match="method.parallel_drafting.*pard_token"):
+        LLMEngine(cfg)
+
+
+def test_draft_max_model_len_beyond_the_target_is_rejected(tiny_llama):
+    from engine_utils import tiny_config
+    from specserve.errors import ConfigError
+
+    cfg = tiny_config(tiny_llama, "draft_model", draft_dir=tiny_llama)
+    cfg.model.max_model_len = 64
+    cfg.method.max_model_len = 128
+    with pytest.raises(ConfigError, match="method.max_model_len"):
+        LLMEngine(cfg)
