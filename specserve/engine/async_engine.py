@@ -188,6 +188,12 @@ class AsyncEngine:
     def _fail(self, message: str) -> None:
         self.healthy = False
         self.failure = message
+        # Release engine state first so nothing leaks even though the loop stops.
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # the engine is already broken; best effort
+                log.exception("abort after failure")
         for rid, stream in list(self._streams.items()):
             stream.put(
                 RequestOutput(
@@ -196,12 +202,6 @@ class AsyncEngine:
                     spec=SpecDecodeStats(), error=message,
                 )
             )
-        # Release engine state so nothing leaks even though the loop stops.
-        for rid in list(self.engine.requests):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:  # the engine is already broken; best effort
-                log.exception("abort after failure")
 
 
 def build_async_engine(cfg: Config) -> AsyncEngine:
