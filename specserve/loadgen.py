@@ -25,9 +25,10 @@ refused with INVALID_ARGUMENT / 400.  The report (stdout and ``--output``)::
 
 ``--expect-shutdown`` is for a run during which the server is sent SIGTERM:
 requests refused because it is draining (UNAVAILABLE / 503 ``server_draining``),
-because it is gone (connection refused), or gRPC calls that grpc core cancelled
-while the listener closed (CANCELLED before any message: no handler ran) become
-expected errors; a client stops once the server is unreachable, and
+because it is gone (connection refused), gRPC calls that grpc core cancelled
+while the listener closed (CANCELLED before any message: no handler ran) and
+HTTP requests cut with no status on a kept-alive connection the listener closed
+become expected errors; a client stops once the server is unreachable, and
 ``finish_reason`` ``abort`` (the drain timeout) is expected.  Anything else cut
 without a response or a finish_reason stays unexpected.
 
@@ -332,6 +333,13 @@ class HttpClient:
             res.detail = str(exc)[:300]
             if opts.expect_shutdown and isinstance(exc, aiohttp.ClientConnectorError):
                 res.error, res.expected = "unreachable", True  # no connection: never sent
+            elif opts.expect_shutdown and not res.accepted and isinstance(
+                exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+            ):
+                # A kept-alive connection closed by the stopping listener as the request went
+                # out: no status came back, so no handler admitted it (admitted requests are
+                # answered before the listener closes).
+                res.error, res.expected = "disconnected_at_server_stop", True
         res.e2e_s = time.perf_counter() - start
         return res
 
