@@ -168,8 +168,17 @@ def measure_bandwidth_gbs(device: torch.device) -> float:
 
 
 def _weight_bytes(m: LoadedModel) -> int:
-    # What one decode step must stream: every weight once (tied embeddings read once, by the LM head).
-    return sum(p.numel() * p.element_size() for n, p in m.model.named_parameters() if n != "embed_tokens.weight" or m.arch.tie_word_embeddings)
+    """Bytes one decode step must stream: every projection, the norms and the LM
+    head once (the embedding table is only gathered, except when tied to the head)."""
+    from specserve.executor.models.llama import PackedLinear
+
+    total = 0
+    for name, mod in m.model.named_modules():
+        if isinstance(mod, PackedLinear):
+            total += mod.weight_bytes
+        elif name != "embed_tokens" or (m.arch.tie_word_embeddings and not isinstance(m.model.lm_head, PackedLinear)):
+            total += sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+    return total
 
 
 def run_bench(cfg: Config) -> int:

@@ -133,6 +133,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None):
         super().__init__()
         self.out_features = weight.shape[0]
+        self.weight_bytes = weight.numel() * weight.element_size()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         self.bias = bias
 
