@@ -13,6 +13,7 @@
 #   pytest       tests/helm: assertions over renders + values.schema.json rejections
 #   cli-compose  the rendered args composed by the real `specserve` CLI (SKIP where no Python
 #                with specserve+hydra is found: set SPECSERVE_PYTHON, default .venv/bin/python)
+#   cpu-run      the rendered CPU Deployment's command line run here: gRPC health SERVING, SIGTERM -> 0
 #   checkov      helm + kubernetes (+ dockerfile for docker/) frameworks, skip list in helm/.checkov.yaml
 #
 # Environment: SPECSERVE_TOOLS_DIR (default .tools), SPECSERVE_PYTHON, UPDATE_GOLDEN=1,
@@ -158,6 +159,15 @@ do_cli_compose() {
     "$WORK"/render/default.yaml "$WORK"/render/*-values.yaml
 }
 
+do_cpu_run() {
+  local py
+  if ! py="$(find_project_python)"; then
+    echo "SKIP: no Python with specserve (create .venv)"
+    return 3
+  fi
+  timeout 900 "$py" scripts/helm/run_rendered_cpu.py "$WORK"/render/cpu-values.yaml
+}
+
 do_checkov() {
   local rc=0 out ck
   # checkov silently skips paths under hidden directories (.tools/...): scan a temp copy.
@@ -205,6 +215,7 @@ else
 fi
 step pytest do_pytest
 step cli-compose do_cli_compose
+step cpu-run do_cpu_run
 step checkov do_checkov
 
 echo
