@@ -72,14 +72,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def _draft_room(self, seq: Sequence) -> int:
-        """How many drafts fit without passing max_model_len or max_tokens."""
-        n = len(seq.token_ids)
-        room = min(
-            self.num_lookahead,
-            self.max_model_len - n - 1,
-            seq.params.max_tokens - seq.num_output_tokens - 1,
-        )
-        return max(room, 0)
+        """How many drafts fit without passing max_model_len (positions must exist).
+
+        max_tokens does not shorten the draft: like vLLM, every round proposes
+        K and tokens past max_tokens are dropped at commit, so acceptance
+        figures are not biased down by the last round of each request."""
+        return max(min(self.num_lookahead, self.max_model_len - len(seq.token_ids) - 1), 0)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -24,15 +24,22 @@ def test_prefill_then_decode_reserves_draft_room():
     assert len(a.block_table) == 3  # 7 tokens + 3 drafts = 10 positions
 
 
-def test_draft_room_respects_max_tokens_and_max_model_len():
+def test_draft_room_respects_max_model_len_not_max_tokens():
     s = Scheduler(BlockManager(16, 4), 4, 64, num_lookahead=5, max_model_len=10)
-    a = seq("a", 7, max_tokens=3)
+    a = seq("a", 7, max_tokens=1)
     s.add(a)
     s.schedule()
     s.commit(a, 7)
     a.token_ids.append(9)
     (item,) = s.schedule().scheduled
     assert item.draft_room == 1  # max_model_len 10: 8 tokens + 1 draft + 1 emitted
+    b = seq("b", 3, max_tokens=1)
+    s.add(b)
+    s.schedule()
+    s.commit(b, 3)
+    b.token_ids.append(9)
+    items = {i.seq.request_id: i for i in s.schedule().scheduled}
+    assert items["b"].draft_room == 5  # a full round even though max_tokens is reached
 
 
 def test_token_budget_chunks_prefill():
