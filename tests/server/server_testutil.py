@@ -40,3 +40,21 @@ def http_call(url: str, body: bytes | dict | None = None, headers: dict | None =
         return status, json.loads(raw)
     except ValueError:
         return status, raw.decode()
+
+
+def scrape(http: str) -> dict[str, dict[tuple, float]]:
+    """GET /metrics and parse it with prometheus_client's parser: {name: {labels: value}}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = http_call(f"{http}/metrics")
+    assert status == 200
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def total(metrics, name: str, **labels) -> float:
+    """Sum of a metric's samples whose labels include `labels`."""
+    return sum(v for k, v in metrics.get(name, {}).items() if all((key, val) in k for key, val in labels.items()))

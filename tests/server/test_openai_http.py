@@ -8,27 +8,12 @@ import json
 import openai
 import pytest
 from fake_engine import FakeEngine, FakeTokenizer, expected_text
-from prometheus_client.parser import text_string_to_metric_families
-from server_testutil import http_call, wait_for
+from server_testutil import http_call, scrape, total, wait_for
 
 from specserve.v1 import specserve_pb2 as pb
 
 TOK = FakeTokenizer()
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-
-
-def scrape(served) -> dict[str, dict[tuple, float]]:
-    status, body = http_call(f"{served.http}/metrics")
-    assert status == 200
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(body):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
-
-
-def total(metrics, name: str, **labels) -> float:
-    return sum(v for k, v in metrics.get(name, {}).items() if all((key, val) in k for key, val in labels.items()))
 
 
 def test_completions_match_the_engine(served):
@@ -112,7 +97,7 @@ def test_metrics_agree_with_the_per_request_spec_stats(served):
     r = served.stub.Generate(pb.GenerateRequest(prompt="via grpc", sampling_params=pb.SamplingParams(max_tokens=7)))
     for key in seen:
         seen[key] += getattr(r.spec_decode, key)
-    m = scrape(served)
+    m = scrape(served.http)
     base = {"model_name": "fake-model", "method": "ngram"}
     assert total(m, "specserve_spec_decode_num_drafts_total", **base) == seen["num_drafts"]
     assert total(m, "specserve_spec_decode_num_draft_tokens_total", **base) == seen["num_draft_tokens"]

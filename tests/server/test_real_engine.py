@@ -20,8 +20,7 @@ import grpc
 import openai
 import pytest
 from engine_utils import tiny_config
-from prometheus_client.parser import text_string_to_metric_families
-from server_testutil import http_call, server_config, wait_for
+from server_testutil import http_call, scrape, server_config, total, wait_for
 
 from specserve.engine.async_engine import AsyncEngine
 from specserve.engine.engine import LLMEngine
@@ -95,20 +94,6 @@ def offline(cfg):
 
     ref.engine = eng
     return ref
-
-
-def scrape(http: str) -> dict[str, dict[tuple, float]]:
-    status, body = http_call(f"{http}/metrics")
-    assert status == 200
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(body):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
-
-
-def total(metrics, name: str, **labels) -> float:
-    return sum(v for k, v in metrics.get(name, {}).items() if all((key, val) in k for key, val in labels.items()))
 
 
 def grpc_request(prompt: str | None = None, ids: list[int] | None = None, messages=None,
