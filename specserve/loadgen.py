@@ -133,6 +133,15 @@ class Result:
     mode: str = "normal"  # normal | cancel | bad
     accepted: bool = False  # the server took the request: HTTP 200, or a gRPC message / OK status
     detail: str | None = None  # the error's message, for the report's examples
+    last_chunk_at: float = 0.0
+
+    def mark_chunk(self, start: float, now: float) -> None:
+        """A streamed chunk with content arrived: TTFT for the first, a gap after."""
+        if self.ttft_s is None:
+            self.ttft_s = now - start
+        else:
+            self.chunk_gaps_s.append(now - self.last_chunk_at)
+        self.last_chunk_at = now
 
 
 _GRPC_KINDS = {
@@ -205,7 +214,6 @@ class GrpcClient:
             )
         cancel_after = rng.randint(1, 3)
         start = time.perf_counter()
-        last = start
         chunks = 0
         call = self.stub.GenerateStream(request, metadata=self.metadata, timeout=opts.timeout_s)
         try:
@@ -214,11 +222,7 @@ class GrpcClient:
                 now = time.perf_counter()
                 if msg.token_ids or msg.text:
                     chunks += 1
-                    if res.ttft_s is None:
-                        res.ttft_s = now - start
-                    else:
-                        res.chunk_gaps_s.append(now - last)
-                    last = now
+                    res.mark_chunk(start, now)
                 res.text += msg.text
                 res.completion_tokens = msg.usage.completion_tokens
                 if msg.finish_reason:
@@ -278,7 +282,6 @@ class HttpClient:
             }).encode()  # fmt: skip
         cancel_after = rng.randint(1, 3)
         start = time.perf_counter()
-        last = start
         chunks = 0
         headers = {**self.headers, "Content-Type": "application/json"}
         try:
@@ -316,11 +319,7 @@ class HttpClient:
                         now = time.perf_counter()
                         if choice.get("text"):
                             chunks += 1
-                            if res.ttft_s is None:
-                                res.ttft_s = now - start
-                            else:
-                                res.chunk_gaps_s.append(now - last)
-                            last = now
+                            res.mark_chunk(start, now)
                             res.text += choice["text"]
                         if choice.get("finish_reason"):
                             res.finish_reason = choice["finish_reason"]
