@@ -121,7 +121,7 @@ def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, eos: tuple[int
     return RunResult(n / wall, n, wall, outs)
 
 
-def top2_gap(target: LoadedModel, engine: LLMEngine, ids: list[int]) -> float:
+def top2_gap(engine: LLMEngine, ids: list[int]) -> float:
     """Top-2 logit gap of the engine's model at the end of `ids` (fresh cache blocks)."""
     table: list[int] = []
     if not engine.blocks.ensure(table, len(ids)):
@@ -262,7 +262,7 @@ def run_bench(cfg: Config) -> int:
         "greedy_divergences": {},
     }
     gap_engine = vanilla or engine
-    gap = lambda ids: top2_gap(target, gap_engine, ids)  # noqa: E731
+    gap = lambda ids: top2_gap(gap_engine, ids)  # noqa: E731
     compare("specserve_vs_specserve_vanilla", runs, "specserve", "specserve_vanilla", prompts, gap, report)
     compare("specserve_vs_hf_generate", runs, "specserve", "hf_generate", prompts, gap, report)
     compare("specserve_vanilla_vs_hf_generate", runs, "specserve_vanilla", "hf_generate", prompts, gap, report)

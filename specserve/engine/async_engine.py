@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from specserve.config import Config
 from specserve.engine.engine import LLMEngine
 from specserve.engine.stats import StatsListener
-from specserve.errors import EngineDeadError, EngineDrainingError, QueueFullError, SpecServeError
+from specserve.errors import (
+    EngineDeadError,
+    EngineDrainingError,
+    InvalidRequestError,
+    QueueFullError,
+    SpecServeError,
+)
 from specserve.request import FinishReason, RequestOutput, SamplingParams, SpecDecodeStats
 
 log = logging.getLogger(__name__)
@@ -91,8 +97,6 @@ class AsyncEngine:
         params.validate()
         with self._cv:
             if request_id in self._streams:
-                from specserve.errors import InvalidRequestError
-
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             self.engine.validate_request(request_id, prompt_token_ids, params)
             if self.num_waiting >= self.max_queue:

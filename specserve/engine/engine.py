@@ -223,10 +223,10 @@ class LLMEngine:
             target_argmax = fwd.logits.argmax(dim=-1)[row_idx]  # (B, K+1)
             out = rejection_sample_greedy(target_argmax, draft_ids, num_drafts)
         else:
-            def per_row(name: str) -> list:
-                return [getattr(p, name) for p in params for _ in range(K + 1)]
-
-            st = SamplingTensors.build(per_row("temperature"), per_row("top_k"), per_row("top_p"), per_row("min_p"), dev)
+            st = SamplingTensors.build(
+                [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                [p.min_p for p in params], dev,
+            ).repeat_interleave(K + 1)  # one row per verified position
             V = fwd.logits.shape[-1]
             logits = fwd.logits[row_idx].view(B * (K + 1), V)
             probs = logits_to_probs(logits, st).view(B, K + 1, V)
