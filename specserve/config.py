@@ -87,10 +87,18 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
-    # Cap oneDNN's CPU ISA (ONEDNN_MAX_CPU_ISA) before torch loads: on AMX CPUs the
-    # AVX512-BF16 kernels stream decode-sized (GEMV) bf16 matmuls about 1.5x faster
-    # than the AMX ones. null = leave oneDNN's choice; an explicit env var wins.
-    onednn_max_cpu_isa: Optional[str] = "AVX512_CORE_BF16"
+    # CPU bf16 data path: "fused" runs decode-sized steps (at most
+    # cpu_fused_max_tokens new tokens) in one C call per forward
+    # (specserve/kernels/cpu_decoder.c, AVX512-BF16, built with gcc on first
+    # use) and prefill through torch; "torch" is torch only; "auto" = fused
+    # where the CPU and a compiler allow it, else torch.
+    cpu_kernel: str = "auto"
+    cpu_fused_max_tokens: int = 32
+    # Cap oneDNN's CPU ISA (ONEDNN_MAX_CPU_ISA) before torch loads.  "auto": cap
+    # to AVX512_CORE_BF16 only when bf16 decode runs on the torch path (there the
+    # AVX512-BF16 kernels stream GEMVs ~1.5x faster than AMX); with the fused
+    # decoder, leave AMX on for prefill.  null = never cap; an explicit env var wins.
+    onednn_max_cpu_isa: Optional[str] = "auto"
 
 
 @dataclass
@@ -274,6 +282,9 @@ def validate_config(cfg: Config) -> Config:
     _int("engine.max_num_batched_tokens", e.max_num_batched_tokens, 1)
     if e.num_threads is not None:
         _int("engine.num_threads", e.num_threads, 1)
+    if e.cpu_kernel not in ("auto", "fused", "torch"):
+        raise ConfigError("engine.cpu_kernel", f"{e.cpu_kernel!r} is not one of auto, fused, torch")
+    _int("engine.cpu_fused_max_tokens", e.cpu_fused_max_tokens, 1)
     srv = cfg.server
     for port_key in ("grpc_port", "http_port"):
         port = getattr(srv, port_key)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -78,7 +79,10 @@ class LLMEngine:
         num_blocks = _num_blocks(cfg, target)
         a = target.arch
         self.kv = KVCache(a.num_layers, num_blocks, e.block_size, a.num_kv_heads, a.head_dim, target.dtype, target.device)
-        self.runner = ModelRunner(target, self.kv)
+        self.runner = ModelRunner(
+            target, self.kv, cpu_kernel=e.cpu_kernel, fused_max_tokens=e.cpu_fused_max_tokens,
+            cache_dir=Path(cfg.model.cache_dir) if cfg.model.cache_dir else None,
+        )
         self.blocks = BlockManager(num_blocks, e.block_size)
         spec = cfg.method
         self.k = spec.num_speculative_tokens if spec is not None else 0

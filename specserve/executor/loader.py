@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from specserve.errors import ModelLoadError
-from specserve.executor.models.llama import SUPPORTED_MODEL_TYPES, ArchConfig, LlamaModel, Rotary, can_prepack
+from specserve.executor.models.llama import SUPPORTED_MODEL_TYPES, ArchConfig, LlamaModel, Rotary
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +247,6 @@ def load_model(
     model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True, assign=True)
     model.rotary = Rotary(hf_config, mml)
     model = model.to(device).eval().requires_grad_(False)
-    if can_prepack(dtype, device):
-        model.prepack()
     return LoadedModel(
         model=model,
         arch=arch,

@@ -31,12 +31,15 @@ class _DraftState:
 
 
 class DraftModelProposer:
-    def __init__(self, draft: LoadedModel, k: int, num_blocks: int, block_size: int):
+    def __init__(
+        self, draft: LoadedModel, k: int, num_blocks: int, block_size: int, cpu_kernel: str = "torch",
+        fused_max_tokens: int = 32,
+    ):
         self.k = k
         self.blocks = BlockManager(num_blocks, block_size)
         kv = KVCache(draft.arch.num_layers, num_blocks, block_size, draft.arch.num_kv_heads,
                      draft.arch.head_dim, draft.dtype, draft.device)
-        self.runner = ModelRunner(draft, kv)
+        self.runner = ModelRunner(draft, kv, cpu_kernel=cpu_kernel, fused_max_tokens=fused_max_tokens)
         self.states: dict[str, _DraftState] = {}
 
     def propose(self, requests: list[DraftRequest]) -> Proposal:
@@ -110,4 +113,7 @@ def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
             f"draft vocabulary size {draft.arch.vocab_size} differs from the target's {ctx.target.arch.vocab_size}; "
             "draft_model needs the same tokenizer",
         )
-    return DraftModelProposer(draft, spec.num_speculative_tokens, ctx.num_kv_blocks, ctx.engine.block_size)
+    return DraftModelProposer(
+        draft, spec.num_speculative_tokens, ctx.num_kv_blocks, ctx.engine.block_size,
+        cpu_kernel=ctx.engine.cpu_kernel, fused_max_tokens=ctx.engine.cpu_fused_max_tokens,
+    )

@@ -30,12 +30,13 @@ def test_prepacked_model_logits_match_unpacked(tiny_llama):
     from specserve.executor.runner import ModelRunner, SeqInput
 
     lm = load_model(str(tiny_llama), "bfloat16", torch.device("cpu"))
-    assert isinstance(lm.model.layers[0].qkv_proj, PackedLinear)
     ref = load_model(str(tiny_llama), "float32", torch.device("cpu"))
     outs = []
     for m in (lm, ref):
         kv = KVCache(m.arch.num_layers, 8, 4, m.arch.num_kv_heads, m.arch.head_dim, m.dtype, torch.device("cpu"))
-        outs.append(ModelRunner(m, kv).forward([SeqInput(list(range(5, 17)), 0, [0, 1, 2], list(range(12)))]).logits)
+        runner = ModelRunner(m, kv, cpu_kernel="torch")  # the torch path pre-packs bf16 projections
+        outs.append(runner.forward([SeqInput(list(range(5, 17)), 0, [0, 1, 2], list(range(12)))]).logits)
+    assert isinstance(lm.model.layers[0].qkv_proj, PackedLinear)
     a, b = outs
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert float((a - b).abs().max() / b.abs().max()) < 0.05

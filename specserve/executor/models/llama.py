@@ -232,6 +232,8 @@ class LlamaModel(nn.Module):
 
     def prepack(self) -> None:
         """Swap every projection (and the LM head) for a PackedLinear (CPU bf16)."""
+        if isinstance(self.layers[0].qkv_proj, PackedLinear):
+            return  # already packed (runners of one process share a model)
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 lin = getattr(layer, name)

@@ -1,0 +1,262 @@
+"""Build, load and call the fused CPU decoder (``cpu_decoder.c``).
+
+The C source is compiled once with the system C compiler into the specserve
+cache directory (keyed by a hash of the source, flags and compiler), then
+loaded with ctypes.  It needs an x86-64 CPU with AVX512-BF16; anywhere else
+(or with no compiler) ``load_library`` raises ``KernelUnavailable`` with the
+reason and the caller keeps the torch path.
+
+``CpuDecoder`` wraps a bf16 ``LlamaModel`` and its ``KVCache``: ``forward``
+runs the whole decoder stack for a flattened ragged batch in one C call and
+``logits`` is the LM head.  Torch tensors stay the owners of all memory; the
+C side only sees their data pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from specserve.kernels.cpu_features import cpu_unsupported_reason, find_compiler
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decoder.c")
+ABI_VERSION = 1
+CFLAGS = (
+    "-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp",
+    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+)  # fmt: skip
+
+
+class KernelUnavailable(RuntimeError):
+    """The fused CPU decoder cannot run here (the message says why)."""
+
+
+def _build(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_lib = Path(tmp) / out.name
+        proc = subprocess.run(
+            [cc, *CFLAGS, "-o", str(tmp_lib), str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp_lib, out)  # atomic: concurrent builders never see a partial file
+
+
+def library_name() -> str:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return f"cpu_decoder-{key}.so"
+
+
+def build_library(out_dir: Path) -> Path:
+    """Compile the kernel into out_dir (no CPU check: an image build may run elsewhere)."""
+    cc = find_compiler()
+    if not cc:
+        raise KernelUnavailable("no C compiler (gcc) on PATH to build it")
+    path = out_dir / library_name()
+    if not path.exists():
+        log.info("building the fused CPU decoder kernel into %s", path)
+        _build(cc, path)
+    return path
+
+
+def load_library(cache_dir: Path) -> ctypes.CDLL:
+    """The kernel library: prebuilt next to the source (container images), else
+    built once into cache_dir/kernels."""
+    reason = cpu_unsupported_reason()
+    if reason:
+        raise KernelUnavailable(reason)
+    prebuilt = SOURCE.parent / library_name()
+    lib_path = prebuilt if prebuilt.exists() else build_library(cache_dir / "kernels")
+    # torch (imported above) has loaded its libgomp.so.1; the kernel library's
+    # DT_NEEDED entry resolves to that same OpenMP runtime and thread pool.
+    lib = ctypes.CDLL(str(lib_path))
+    if lib.ss_abi_version() != ABI_VERSION:
+        raise KernelUnavailable(f"{lib_path} has ABI {lib.ss_abi_version()}, expected {ABI_VERSION}")
+    P, I32 = ctypes.c_void_p, ctypes.c_int
+    lib.ss_forward.argtypes = [P, I32, P, I32, P, P, I32, P, P]
+    lib.ss_forward.restype = I32
+    lib.ss_logits.argtypes = [P, I32, I32, P, I32, P]
+    lib.ss_logits.restype = I32
+    lib.ss_gemv.argtypes = [P, I32, P, I32, I32, P, P]
+    lib.ss_gemv.restype = I32
+    return lib
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("wqkv", "bqkv", "ln1", "ln2", "qnorm", "knorm", "wo", "wgu", "wdown", "kcache", "vcache")
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *[
+            (name, ctypes.c_int32)
+            for name in (
+                "hidden", "inter", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                "block_size", "window", "n_positions", "reserved",
+            )
+        ],
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *[(name, ctypes.c_void_p) for name in ("embed", "final_norm", "cos", "sin", "layers")],
+    ]  # fmt: skip
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def gemv(lib: ctypes.CDLL, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (M, K) bf16 @ w (N, K) bf16 ^T (+ fp32 bias) -> (M, N) fp32 (for tests and benchmarks)."""
+    x, w = x.contiguous(), w.contiguous()
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous()
+    lib.ss_gemv(_ptr(x), M, _ptr(w), N, K, _ptr(b), _ptr(y))
+    return y
+
+
+class CpuDecoder:
+    """The fused decoder for one bf16 ``LlamaModel`` and its KV cache."""
+
+    def __init__(self, lib: ctypes.CDLL, model: Any, kv: Any, num_positions: int):
+        a = model.a
+        if kv.data.dtype != torch.bfloat16:
+            raise KernelUnavailable("the fused CPU decoder needs a bfloat16 KV cache")
+        cos, sin = model.rotary.cos, model.rotary.sin
+        if cos.shape[1] * 2 != a.head_dim:
+            raise KernelUnavailable("partial rotary embeddings are not supported by the fused CPU decoder")
+        self.lib = lib
+        self.a = a
+        keep: list[Tensor] = []  # owns every buffer the C side points into
+
+        def bf16(t: Tensor) -> Tensor:
+            t = t.detach().to(torch.bfloat16).contiguous()
+            keep.append(t)
+            return t
+
+        def f32(t: Tensor | None) -> int | None:
+            if t is None:
+                return None
+            t = t.detach().float().contiguous()
+            keep.append(t)
+            return t.data_ptr()
+
+        self._layers = (_Layer * a.num_layers)()
+        for i, layer in enumerate(model.layers):
+            k_cache, v_cache = kv.layer(i)
+            self._layers[i] = _Layer(
+                wqkv=bf16(_weight(layer.qkv_proj)).data_ptr(),
+                bqkv=f32(_bias(layer.qkv_proj)),
+                ln1=f32(layer.input_layernorm.weight),
+                ln2=f32(layer.post_attention_layernorm.weight),
+                qnorm=f32(layer.q_norm.weight) if a.qk_norm else None,
+                knorm=f32(layer.k_norm.weight) if a.qk_norm else None,
+                wo=bf16(_weight(layer.o_proj)).data_ptr(),
+                wgu=bf16(_weight(layer.gate_up_proj)).data_ptr(),
+                wdown=bf16(_weight(layer.down_proj)).data_ptr(),
+                kcache=k_cache.data_ptr(),
+                vcache=v_cache.data_ptr(),
+            )
+        self.embed = bf16(model.embed_tokens.weight)
+        head = model.embed_tokens.weight if model.lm_head is None else _weight(model.lm_head)
+        self.lm_head = bf16(head)
+        self._model = _Model(
+            hidden=a.hidden_size,
+            inter=a.intermediate_size,
+            n_layers=a.num_layers,
+            n_heads=a.num_heads,
+            n_kv_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+            block_size=kv.block_size,
+            window=a.sliding_window or 0,
+            n_positions=min(num_positions, cos.shape[0]),
+            reserved=0,
+            eps=a.rms_norm_eps,
+            scale=a.head_dim**-0.5,
+            embed=self.embed.data_ptr(),
+            final_norm=f32(model.norm.weight),
+            cos=f32(cos),
+            sin=f32(sin),
+            layers=ctypes.addressof(self._layers),
+        )
+        self._keep = keep
+
+    def forward(
+        self,
+        input_ids: Sequence[int],
+        seqs: Sequence[tuple[int, int, int]],  # per sequence: (t offset, new tokens, start position)
+        block_tables: Sequence[Sequence[int]],
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        T, H = len(input_ids), self.a.hidden_size
+        ids = torch.tensor(input_ids, dtype=torch.int64)
+        info = torch.tensor(seqs, dtype=torch.int32)
+        width = max(len(bt) for bt in block_tables)
+        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for b, bt in enumerate(block_tables):
+            tables[b, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+        out = torch.empty(T, H, dtype=torch.float32)
+        aux: dict[int, Tensor] = {}
+        aux_ptrs = None
+        if aux_layer_ids:
+            arr = (ctypes.c_void_p * self.a.num_layers)()
+            for i in aux_layer_ids:
+                aux[i] = torch.empty(T, H, dtype=torch.float32)
+                arr[i] = aux[i].data_ptr()
+            aux_ptrs = ctypes.addressof(arr)
+        rc = self.lib.ss_forward(
+            ctypes.addressof(self._model), T, _ptr(ids), len(seqs), _ptr(info), _ptr(tables), width,
+            _ptr(out), aux_ptrs,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"fused CPU decoder rejected its inputs (code {rc})")
+        return out, aux
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        h = hidden.float().contiguous()
+        N = h.shape[0]
+        out = torch.empty(N, self.lm_head.shape[0], dtype=torch.float32)
+        self.lib.ss_logits(_ptr(self.lm_head), self.lm_head.shape[0], self.a.hidden_size, _ptr(h), N, _ptr(out))
+        return out
+
+
+def _weight(lin: Any) -> Tensor:
+    w = getattr(lin, "weight", None)
+    if w is None:
+        raise KernelUnavailable("the model was already pre-packed for the torch path")
+    return w
+
+
+def _bias(lin: Any) -> Tensor | None:
+    return getattr(lin, "bias", None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m specserve.kernels.cpu_decoder [DIR]``: build the library into
+    DIR (default: next to the source, where ``load_library`` looks first)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    out = Path(args[0]) if args else SOURCE.parent
+    print(build_library(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

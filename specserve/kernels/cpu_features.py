@@ -1,0 +1,36 @@
+"""What the fused CPU decoder needs from this machine (no torch import here:
+the CLI asks before torch loads, to choose oneDNN's ISA cap)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+from pathlib import Path
+
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def cpu_unsupported_reason() -> str | None:
+    """Why this CPU cannot run the kernel, or None."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs an x86-64 CPU, this is {platform.machine()}"
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    return None
