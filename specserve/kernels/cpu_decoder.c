@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 typedef uint16_t bf16;
 
@@ -37,6 +39,9 @@ typedef struct {
     const bf16 *wdown;  /* (H, I) */
     bf16 *kcache;       /* (slots, nkv, hd) */
     bf16 *vcache;
+    /* The same four projections packed for AMX (ss_pack_amx), or NULL: then the
+       AVX512-BF16 GEMV reads the row-major weights above. */
+    const bf16 *wqkv_p, *wo_p, *wgu_p, *wdown_p;
 } ss_layer;
 
 typedef struct {
@@ -48,6 +53,9 @@ typedef struct {
     const float *cos;         /* (n_positions, hd/2), attention scaling included */
     const float *sin;
     const ss_layer *layers;
+    const bf16 *lm_head;      /* (V, H) */
+    const bf16 *lm_head_p;    /* packed for AMX, or NULL */
+    int32_t vocab, pad;
 } ss_model;
 
 /* ------------------------------------------------------------------ helpers */
@@ -189,18 +197,138 @@ static void gemv(const bf16 *x, int M, long ldx, const bf16 *W, int N, int K, co
     }
 }
 
+/* ---------------------------------------------------------------------- AMX */
+
+/* Weights packed for TDPBF16PS: for each block of 16 output rows n and 32
+   inputs k, a 16 x 64-byte tile whose row kk holds, for n = 0..15, the pair
+   (W[n][2kk], W[n][2kk+1]).  Blocks go in pairs (the two C tiles of one step);
+   a pair's two tiles for k block kb are adjacent and its k blocks follow each
+   other, so a pair is one sequential 2 KB-per-step stream.  N pads to 32 and
+   K to 32 with zeros. */
+#ifndef AMX_PREFETCH
+#define AMX_PREFETCH 4096
+#endif
+
+static inline long amx_kp(int K) { return (K + 31) / 32 * 32; }
+
+long ss_amx_packed_elems(int N, int K) { return (long)((N + 31) / 32) * 32 * amx_kp(K); }
+
+int ss_pack_amx(const bf16 *W, int N, int K, bf16 *out) {
+    const int KB = (int)(amx_kp(K) / 32), NB = (N + 31) / 32 * 2;
+#pragma omp parallel for schedule(static)
+    for (int nb = 0; nb < NB; nb++)
+        for (int kb = 0; kb < KB; kb++) {
+            bf16 *tile = out + (((long)(nb / 2) * KB + kb) * 2 + nb % 2) * 512;
+            for (int kk = 0; kk < 16; kk++)
+                for (int n = 0; n < 16; n++)
+                    for (int e = 0; e < 2; e++) {
+                        const int row = nb * 16 + n, col = kb * 32 + 2 * kk + e;
+                        tile[kk * 32 + n * 2 + e] = (row < N && col < K) ? W[(long)row * K + col] : 0;
+                    }
+        }
+    return 0;
+}
+
+/* Linux gives a process the AMX tile state only on request. */
+int ss_amx_init(void) {
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) tile_config;
+
+/* y[m, n] (+)= x[m, :] . W[n, :] (+ bias[n]) for M <= 32 rows: tiles 0-3 are C
+   (row block r, column block c at 2r + c), 4-5 the two A row blocks, 6-7 B.
+   x rows must be zero-padded to a multiple of 32 (row stride ldx elements).
+   Each output row depends only on its own input row: the same instructions run
+   whatever M is. */
+static void gemm_amx_32(const bf16 *x, int M, long ldx, const bf16 *Wp, int N, int K, const float *bias, float *y,
+                        long ldy, int accumulate) {
+    const int KB = (int)(amx_kp(K) / 32), pairs = (N + 31) / 32;
+    const int r0 = M < 16 ? M : 16, r1 = M > 16 ? M - 16 : 0;
+#pragma omp parallel
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
+        cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)r0;
+        cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)(r1 ? r1 : 1);
+        cfg.rows[6] = cfg.rows[7] = 16;
+        _tile_loadconfig(&cfg);
+        float c[32][32] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int p = 0; p < pairs; p++) {
+            const bf16 *b = Wp + (long)p * KB * 1024;
+            _tile_zero(0);
+            _tile_zero(1);
+            if (r1) {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            for (int kb = 0; kb < KB; kb++) {
+                const bf16 *bk = b + (long)kb * 1024;
+                for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)bk + AMX_PREFETCH + i, _MM_HINT_T0);
+                _tile_loadd(6, bk, 64);
+                _tile_loadd(7, bk + 512, 64);
+                _tile_loadd(4, x + kb * 32, ldx * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (r1) {
+                    _tile_loadd(5, x + 16 * ldx + kb * 32, ldx * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, &c[0][0], 128);
+            _tile_stored(1, &c[0][16], 128);
+            if (r1) {
+                _tile_stored(2, &c[16][0], 128);
+                _tile_stored(3, &c[16][16], 128);
+            }
+            for (int m = 0; m < M; m++) {
+                float *dst = y + (long)m * ldy;
+                for (int j = 0; j < 32; j++) {
+                    const int n = p * 32 + j;
+                    if (n >= N) break;
+                    const float v = c[m][j] + (bias ? bias[n] : 0.0f);
+                    dst[n] = accumulate ? dst[n] + v : v;
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* One projection: AMX on packed weights when given, else the AVX512-BF16 GEMV. */
+static void matmul(const bf16 *x, int M, long ldx, const bf16 *W, const bf16 *Wp, int N, int K, const float *bias,
+                   float *y, long ldy, int accumulate) {
+    if (!Wp) {
+        gemv(x, M, ldx, W, N, K, bias, y, ldy, accumulate);
+        return;
+    }
+    for (int m0 = 0; m0 < M; m0 += 32)
+        gemm_amx_32(x + (long)m0 * ldx, M - m0 < 32 ? M - m0 : 32, ldx, Wp, N, K, bias, y + (long)m0 * ldy, ldy,
+                    accumulate);
+}
+
 /* ------------------------------------------------------------- elementwise */
 
-/* dst (bf16) = rmsnorm(src) * w, per row of n. */
-static void rmsnorm_rows_bf16(const float *src, const float *w, bf16 *dst, int rows, int n, float eps) {
+/* dst (bf16, row stride ldd) = rmsnorm(src) * w, per row of n. */
+static void rmsnorm_rows_bf16(const float *src, const float *w, bf16 *dst, long ldd, int rows, int n, float eps) {
 #pragma omp parallel for schedule(static) if (rows >= 8)
     for (int t = 0; t < rows; t++) {
         const float *s = src + (long)t * n;
         double ss = 0.0;
         for (int i = 0; i < n; i++) ss += (double)s[i] * s[i];
         float inv = 1.0f / sqrtf((float)(ss / n) + eps);
-        bf16 *d = dst + (long)t * n;
+        bf16 *d = dst + (long)t * ldd;
         for (int i = 0; i < n; i++) d[i] = f32_to_bf16(s[i] * inv * w[i]);
+        for (long i = n; i < amx_kp(n); i++) d[i] = 0; /* AMX reads K padded to 32 */
     }
 }
 
@@ -313,9 +441,11 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
         }
         if (start + n > max_ctx) max_ctx = start + n;
     }
-    const int wide = H > qs ? H : qs;
-    const int actw = wide > I ? wide : I;
+    /* one bf16 activation buffer, rows padded for AMX (pads are zeroed by each writer) */
+    long actw = amx_kp(H) > amx_kp(qs) ? amx_kp(H) : amx_kp(qs);
+    actw = actw > amx_kp(I) ? actw : amx_kp(I);
     bf16 *act = scratch_alloc(sizeof(bf16) * (size_t)T * actw);
+    memset(act, 0, sizeof(bf16) * (size_t)T * actw);
     float *qkv = scratch_alloc(sizeof(float) * (size_t)T * nqkv);
     float *gu = scratch_alloc(sizeof(float) * (size_t)T * 2 * I);
     const int nthr = omp_get_max_threads();
@@ -331,8 +461,8 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
         const ss_layer *L = &m->layers[l];
         if (aux && aux[l]) memcpy(aux[l], x, sizeof(float) * (size_t)T * H);
 
-        rmsnorm_rows_bf16(x, L->ln1, act, T, H, m->eps);
-        gemv(act, T, H, L->wqkv, nqkv, H, L->bqkv, qkv, nqkv, 0);
+        rmsnorm_rows_bf16(x, L->ln1, act, actw, T, H, m->eps);
+        matmul(act, T, actw, L->wqkv, L->wqkv_p, nqkv, H, L->bqkv, qkv, nqkv, 0);
 
         /* q/k norm (Qwen3), rotary, and the K/V cache write */
 #pragma omp parallel for schedule(static) if (T >= 8)
@@ -360,16 +490,18 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
             float *scr = att_scr + (size_t)omp_get_thread_num() * (max_ctx + hd + 16);
             attend_one(qkv + (long)t * nqkv + h * hd, L->kcache, L->vcache, kvs, h / G, hd,
                        block_tables + (long)tok_seq[t] * max_blocks, bs, lo, pos, m->scale, scr,
-                       scr + max_ctx, act + (long)t * qs + h * hd);
+                       scr + max_ctx, act + (long)t * actw + h * hd);
         }
-        gemv(act, T, qs, L->wo, H, qs, NULL, x, H, 1);
+        for (int t = 0; t < T; t++)
+            for (long i = qs; i < amx_kp(qs); i++) act[t * actw + i] = 0;
+        matmul(act, T, actw, L->wo, L->wo_p, H, qs, NULL, x, H, 1);
 
-        rmsnorm_rows_bf16(x, L->ln2, act, T, H, m->eps);
-        gemv(act, T, H, L->wgu, 2 * I, H, NULL, gu, 2 * I, 0);
+        rmsnorm_rows_bf16(x, L->ln2, act, actw, T, H, m->eps);
+        matmul(act, T, actw, L->wgu, L->wgu_p, 2 * I, H, NULL, gu, 2 * I, 0);
 #pragma omp parallel for schedule(static) if (T >= 4)
         for (int t = 0; t < T; t++) {
             const float *g = gu + (long)t * 2 * I, *u = g + I;
-            bf16 *a = act + (long)t * I;
+            bf16 *a = act + (long)t * actw;
             int i = 0;
             for (; i + 16 <= I; i += 16) {
                 __m512 gv = _mm512_loadu_ps(g + i);
@@ -382,8 +514,9 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
                 float gs = g[i] / (1.0f + exp_scalar(-g[i]));
                 a[i] = f32_to_bf16(gs * u[i]);
             }
+            for (long j = I; j < amx_kp(I); j++) a[j] = 0;
         }
-        gemv(act, T, I, L->wdown, H, I, NULL, x, H, 1);
+        matmul(act, T, actw, L->wdown, L->wdown_p, H, I, NULL, x, H, 1);
     }
     for (int t = 0; t < T; t++) rmsnorm_inplace(x + (long)t * H, m->final_norm, H, m->eps);
 
@@ -396,20 +529,29 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     return 0;
 }
 
-/* logits (N, V) fp32 = bf16(hidden) (N, H) @ W^T, W (V, H) bf16. */
-int ss_logits(const bf16 *W, int V, int H, const float *hidden, int N, float *logits) {
+/* logits (N, V) fp32 = bf16(hidden) (N, H) @ lm_head^T. */
+int ss_logits(const ss_model *m, const float *hidden, int N, float *logits) {
     if (N <= 0) return 0;
-    bf16 *hb = scratch_alloc(sizeof(bf16) * (size_t)N * H);
-    for (long i = 0; i < (long)N * H; i++) hb[i] = f32_to_bf16(hidden[i]);
-    gemv(hb, N, H, W, V, H, NULL, logits, V, 0);
+    const int H = m->hidden;
+    const long ld = amx_kp(H);
+    bf16 *hb = scratch_alloc(sizeof(bf16) * (size_t)N * ld);
+    for (int t = 0; t < N; t++)
+        for (long i = 0; i < ld; i++) hb[t * ld + i] = i < H ? f32_to_bf16(hidden[(long)t * H + i]) : 0;
+    matmul(hb, N, ld, m->lm_head, m->lm_head_p, m->vocab, H, NULL, logits, m->vocab, 0);
     free(hb);
     return 0;
 }
 
-/* Exposed for tests: y (M, N) fp32 = x (M, K) bf16 @ W (N, K)^T (+ bias). */
-int ss_gemv(const bf16 *x, int M, const bf16 *W, int N, int K, const float *bias, float *y) {
-    gemv(x, M, K, W, N, K, bias, y, N, 0);
+/* Exposed for tests: y (M, N) fp32 = x (M, K) bf16 @ W (N, K)^T (+ bias), through
+   AMX when Wp (ss_pack_amx of W) is given. */
+int ss_matmul(const bf16 *x, int M, const bf16 *W, const bf16 *Wp, int N, int K, const float *bias, float *y) {
+    const long ld = amx_kp(K);
+    bf16 *xp = scratch_alloc(sizeof(bf16) * (size_t)M * ld);
+    for (int t = 0; t < M; t++)
+        for (long i = 0; i < ld; i++) xp[t * ld + i] = i < K ? x[(long)t * K + i] : 0;
+    matmul(xp, M, ld, W, Wp, N, K, bias, y, N, 0);
+    free(xp);
     return 0;
 }
 
-int ss_abi_version(void) { return 1; }
+int ss_abi_version(void) { return 2; }

@@ -26,15 +26,15 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from specserve.kernels.cpu_features import cpu_unsupported_reason, find_compiler
+from specserve.kernels.cpu_features import cpu_flags, cpu_unsupported_reason, find_compiler
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decoder.c")
-ABI_VERSION = 1
+ABI_VERSION = 2
 CFLAGS = (
     "-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp",
-    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
 )  # fmt: skip
 
 
@@ -85,20 +85,27 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
     if lib.ss_abi_version() != ABI_VERSION:
         raise KernelUnavailable(f"{lib_path} has ABI {lib.ss_abi_version()}, expected {ABI_VERSION}")
     P, I32 = ctypes.c_void_p, ctypes.c_int
-    lib.ss_forward.argtypes = [P, I32, P, I32, P, P, I32, P, P]
-    lib.ss_forward.restype = I32
-    lib.ss_logits.argtypes = [P, I32, I32, P, I32, P]
-    lib.ss_logits.restype = I32
-    lib.ss_gemv.argtypes = [P, I32, P, I32, I32, P, P]
-    lib.ss_gemv.restype = I32
+    for name, args, res in [
+        ("ss_forward", [P, I32, P, I32, P, P, I32, P, P], I32),
+        ("ss_logits", [P, P, I32, P], I32),
+        ("ss_matmul", [P, I32, P, P, I32, I32, P, P], I32),
+        ("ss_pack_amx", [P, I32, I32, P], I32),
+        ("ss_amx_packed_elems", [I32, I32], ctypes.c_long),
+        ("ss_amx_init", [], I32),
+    ]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
     return lib
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_void_p)
-        for name in ("wqkv", "bqkv", "ln1", "ln2", "qnorm", "knorm", "wo", "wgu", "wdown", "kcache", "vcache")
-    ]
+        for name in (
+            "wqkv", "bqkv", "ln1", "ln2", "qnorm", "knorm", "wo", "wgu", "wdown", "kcache", "vcache",
+            "wqkv_p", "wo_p", "wgu_p", "wdown_p",
+        )
+    ]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
@@ -112,7 +119,9 @@ class _Model(ctypes.Structure):
         ],
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        *[(name, ctypes.c_void_p) for name in ("embed", "final_norm", "cos", "sin", "layers")],
+        *[(name, ctypes.c_void_p) for name in ("embed", "final_norm", "cos", "sin", "layers", "lm_head", "lm_head_p")],
+        ("vocab", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
     ]  # fmt: skip
 
 
@@ -120,21 +129,36 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def gemv(lib: ctypes.CDLL, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (M, K) bf16 @ w (N, K) bf16 ^T (+ fp32 bias) -> (M, N) fp32 (for tests and benchmarks)."""
+def amx_usable(lib: ctypes.CDLL) -> bool:
+    """AMX tiles exist and Linux granted this process the tile state."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags() and lib.ss_amx_init() == 0
+
+
+def pack_amx(lib: ctypes.CDLL, w: Tensor) -> Tensor:
+    """w (N, K) bf16 -> the AMX tile layout of cpu_decoder.c (N padded to 16, K to 32)."""
+    w = w.detach().to(torch.bfloat16).contiguous()
+    N, K = w.shape
+    out = torch.empty(lib.ss_amx_packed_elems(N, K), dtype=torch.bfloat16)
+    lib.ss_pack_amx(_ptr(w), N, K, _ptr(out))
+    return out
+
+
+def matmul(lib: ctypes.CDLL, x: Tensor, w: Tensor, packed: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+    """x (M, K) bf16 @ w (N, K) bf16 ^T (+ fp32 bias) -> (M, N) fp32, through AMX
+    when ``packed`` (``pack_amx(w)``) is given (for tests and benchmarks)."""
     x, w = x.contiguous(), w.contiguous()
     M, K = x.shape
     N = w.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
     b = None if bias is None else bias.float().contiguous()
-    lib.ss_gemv(_ptr(x), M, _ptr(w), N, K, _ptr(b), _ptr(y))
+    lib.ss_matmul(_ptr(x), M, _ptr(w), _ptr(packed), N, K, _ptr(b), _ptr(y))
     return y
 
 
 class CpuDecoder:
     """The fused decoder for one bf16 ``LlamaModel`` and its KV cache."""
 
-    def __init__(self, lib: ctypes.CDLL, model: Any, kv: Any, num_positions: int):
+    def __init__(self, lib: ctypes.CDLL, model: Any, kv: Any, num_positions: int, use_amx: bool | None = None):
         a = model.a
         if kv.data.dtype != torch.bfloat16:
             raise KernelUnavailable("the fused CPU decoder needs a bfloat16 KV cache")
@@ -143,12 +167,22 @@ class CpuDecoder:
             raise KernelUnavailable("partial rotary embeddings are not supported by the fused CPU decoder")
         self.lib = lib
         self.a = a
+        # AMX runs every decode-sized matmul (1..32 rows) from a packed copy of the
+        # projections; without it, the AVX512-BF16 GEMV reads the torch weights.
+        self.use_amx = amx_usable(lib) if use_amx is None else use_amx
         keep: list[Tensor] = []  # owns every buffer the C side points into
 
         def bf16(t: Tensor) -> Tensor:
             t = t.detach().to(torch.bfloat16).contiguous()
             keep.append(t)
             return t
+
+        def packed(t: Tensor) -> int | None:
+            if not self.use_amx:
+                return None
+            p = pack_amx(lib, t)
+            keep.append(p)
+            return p.data_ptr()
 
         def f32(t: Tensor | None) -> int | None:
             if t is None:
@@ -160,18 +194,24 @@ class CpuDecoder:
         self._layers = (_Layer * a.num_layers)()
         for i, layer in enumerate(model.layers):
             k_cache, v_cache = kv.layer(i)
+            wqkv, wo = bf16(_weight(layer.qkv_proj)), bf16(_weight(layer.o_proj))
+            wgu, wdown = bf16(_weight(layer.gate_up_proj)), bf16(_weight(layer.down_proj))
             self._layers[i] = _Layer(
-                wqkv=bf16(_weight(layer.qkv_proj)).data_ptr(),
+                wqkv=wqkv.data_ptr(),
                 bqkv=f32(_bias(layer.qkv_proj)),
                 ln1=f32(layer.input_layernorm.weight),
                 ln2=f32(layer.post_attention_layernorm.weight),
                 qnorm=f32(layer.q_norm.weight) if a.qk_norm else None,
                 knorm=f32(layer.k_norm.weight) if a.qk_norm else None,
-                wo=bf16(_weight(layer.o_proj)).data_ptr(),
-                wgu=bf16(_weight(layer.gate_up_proj)).data_ptr(),
-                wdown=bf16(_weight(layer.down_proj)).data_ptr(),
+                wo=wo.data_ptr(),
+                wgu=wgu.data_ptr(),
+                wdown=wdown.data_ptr(),
                 kcache=k_cache.data_ptr(),
                 vcache=v_cache.data_ptr(),
+                wqkv_p=packed(wqkv),
+                wo_p=packed(wo),
+                wgu_p=packed(wgu),
+                wdown_p=packed(wdown),
             )
         self.embed = bf16(model.embed_tokens.weight)
         head = model.embed_tokens.weight if model.lm_head is None else _weight(model.lm_head)
@@ -194,6 +234,10 @@ class CpuDecoder:
             cos=f32(cos),
             sin=f32(sin),
             layers=ctypes.addressof(self._layers),
+            lm_head=self.lm_head.data_ptr(),
+            lm_head_p=packed(self.lm_head),
+            vocab=self.lm_head.shape[0],
+            pad=0,
         )
         self._keep = keep
 
@@ -232,7 +276,7 @@ class CpuDecoder:
         h = hidden.float().contiguous()
         N = h.shape[0]
         out = torch.empty(N, self.lm_head.shape[0], dtype=torch.float32)
-        self.lib.ss_logits(_ptr(self.lm_head), self.lm_head.shape[0], self.a.hidden_size, _ptr(h), N, _ptr(out))
+        self.lib.ss_logits(ctypes.addressof(self._model), _ptr(h), N, _ptr(out))
         return out
 
 

@@ -12,7 +12,7 @@ from specserve.errors import ConfigError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import load_model
 from specserve.executor.runner import ModelRunner, SeqInput
-from specserve.kernels.cpu_decoder import KernelUnavailable, gemv, load_library
+from specserve.kernels.cpu_decoder import KernelUnavailable, amx_usable, load_library, matmul, pack_amx
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -47,27 +47,39 @@ def _reference_fp32(path):
     return ref
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 1, 32), (3, 5, 48), (7, 13, 100), (9, 64, 576), (4, 4, 31)])
-def test_gemv_matches_fp32_reference_with_tails(lib, M, N, K):
+@pytest.fixture(scope="module", params=["avx512", "amx"])
+def path(request, lib):
+    if request.param == "amx" and not amx_usable(lib):
+        pytest.skip("no AMX here")
+    return request.param
+
+
+def _mm(lib, path, x, w, bias=None):
+    return matmul(lib, x, w, pack_amx(lib, w) if path == "amx" else None, bias)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 1, 32), (3, 5, 48), (7, 13, 100), (9, 64, 576), (4, 4, 31), (33, 40, 64)])
+def test_matmul_matches_fp64_reference_with_tails(lib, path, M, N, K):
     g = torch.Generator().manual_seed(M * 100 + N)
     x = torch.randn(M, K, generator=g).bfloat16()
     w = torch.randn(N, K, generator=g).bfloat16()
     bias = torch.randn(N, generator=g)
     ref = x.double() @ w.double().T + bias.double()
-    y = gemv(lib, x, w, bias)
+    y = _mm(lib, path, x, w, bias)
     assert y.shape == (M, N)
     assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
-def test_gemv_rows_do_not_depend_on_the_batch(lib):
+def test_matmul_rows_do_not_depend_on_the_batch(lib, path):
     """Each row is computed by the same instruction sequence whatever M is: bit-exact."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 576, generator=g).bfloat16()
+    x = torch.randn(40, 576, generator=g).bfloat16()
     w = torch.randn(37, 576, generator=g).bfloat16()
-    full = gemv(lib, x, w)
-    for m in range(7):
-        assert torch.equal(gemv(lib, x[m : m + 1], w)[0], full[m])
-    assert torch.equal(gemv(lib, x[2:5], w), full[2:5])
+    full = _mm(lib, path, x, w)
+    for m in (0, 5, 17, 39):
+        assert torch.equal(_mm(lib, path, x[m : m + 1], w)[0], full[m])
+    assert torch.equal(_mm(lib, path, x[2:8], w), full[2:8])
+    assert torch.equal(_mm(lib, path, x[10:30], w), full[10:30])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -169,3 +181,58 @@ def test_bad_inputs_are_clear_errors(tiny_llama, tmp_path):
         kv = KVCache(lm.arch.num_layers, 8, 4, lm.arch.num_kv_heads, lm.arch.head_dim, torch.float32,
                      torch.device("cpu"))
         ModelRunner(lm, kv, cpu_kernel="fused")
+
+
+def _bf16_engine(model_dir, tmp_path, method=None, **kw):
+    from engine_utils import tiny_config
+
+    from specserve.engine.engine import LLMEngine
+
+    cfg = tiny_config(model_dir, method, **kw)
+    cfg.model.dtype = "bfloat16"
+    cfg.model.cache_dir = str(tmp_path)
+    cfg.engine.cpu_kernel = "fused"
+    return LLMEngine(cfg)
+
+
+@pytest.mark.parametrize("method,kw", [("ngram", {"k": 3}), ("draft_model", {"k": 2})])
+def test_bf16_speculation_is_exactly_lossless_on_the_fused_path(tiny_llama, tiny_draft, tmp_path, lib, method, kw):
+    """bf16 on the fused path: speculative greedy output equals plain greedy output
+    token for token (no near-tie flips), and every KV block comes back."""
+    from engine_utils import greedy, random_prompts, run
+
+    prompts = random_prompts(6, seed=5)
+    vanilla = _bf16_engine(tiny_llama, tmp_path)
+    assert vanilla.runner.fused is not None
+    want = run(vanilla, prompts, [greedy(24) for _ in prompts])
+    if method == "draft_model":
+        kw["draft_dir"] = tiny_draft
+    eng = _bf16_engine(tiny_llama, tmp_path, method, **kw)
+    outs = eng.generate(prompts, [greedy(24) for _ in prompts])
+    assert [o.token_ids for o in outs] == want
+    drafts = sum(o.spec.num_draft_tokens for o in outs)
+    accepted = sum(o.spec.num_accepted_tokens for o in outs)
+    assert drafts > 0 and 0 < accepted < drafts
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    if method == "draft_model":
+        assert eng.proposer.runner.fused is not None
+        assert eng.proposer.blocks.num_free == eng.proposer.blocks.num_blocks
+
+
+def test_amx_and_avx512_decoders_agree(tiny_model_dirs, lib):
+    """The two matmul back ends of the fused decoder give the same logits up to
+    float32 summation order (each is checked against fp64 above)."""
+    from specserve.kernels.cpu_decoder import CpuDecoder
+
+    if not amx_usable(lib):
+        pytest.skip("no AMX here")
+    lm = load_model(str(tiny_model_dirs["qwen2"]), "bfloat16", torch.device("cpu"))
+    outs = []
+    for use_amx in (False, True):
+        kv = KVCache(lm.arch.num_layers, 16, 4, lm.arch.num_kv_heads, lm.arch.head_dim, torch.bfloat16,
+                     torch.device("cpu"))
+        dec = CpuDecoder(lib, lm.model, kv, lm.max_model_len, use_amx=use_amx)
+        ids = list(range(40, 52))
+        hidden, _ = dec.forward(ids, [(0, 7, 0), (7, 5, 0)], [[0, 1], [2, 3]])
+        outs.append(dec.logits(hidden))
+    assert _rel_err(outs[1], outs[0]) < 5e-3
