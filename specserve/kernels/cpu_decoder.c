@@ -400,6 +400,105 @@ static void attend_one(const float *q, const bf16 *kc, const bf16 *vc, int kv_st
     for (int d = 0; d < hd; d++) out[d] = f32_to_bf16(acc[d] * inv);
 }
 
+/* All query rows of one (sequence, kv head) group at once: the G query heads
+   of the group for each new token of the sequence (R rows, row r attends to
+   keys lo[r]..hi[r]).  Keys are visited once per group: scores come 16 keys
+   at a time from a pair-transposed key block with AVX512-BF16 dot products (q
+   rounded to bf16, as a bf16 SDPA does), P.V accumulates in fp32 registers.
+   HD = head dim, RC = rows per P.V register block. */
+static inline __attribute__((always_inline)) void attend_group_hd(
+    const int HD, const int RC, int R, const float *const *q, const int *lo, const int *hi, const bf16 *kc,
+    const bf16 *vc, int kv_stride, int g, const int32_t *bt, int bs, float scale, float *S, uint32_t *qb,
+    uint32_t *kt, long *slots, bf16 *const *out) {
+    const int P = HD / 2;
+    int jlo = lo[0], jhi = hi[0];
+    for (int r = 1; r < R; r++) {
+        jlo = lo[r] < jlo ? lo[r] : jlo;
+        jhi = hi[r] > jhi ? hi[r] : jhi;
+    }
+    const int nk = jhi - jlo + 1, nkp = (nk + 15) & ~15;
+    for (int n = 0; n < nk; n++) {
+        const int j = jlo + n;
+        slots[n] = ((long)bt[j / bs] * bs + j % bs) * kv_stride + (long)g * HD;
+    }
+    for (int r = 0; r < R + 4; r++)
+        for (int p = 0; p < P; p++) {
+            if (r >= R) {
+                qb[r * P + p] = 0;
+                continue;
+            }
+            const uint32_t a = f32_to_bf16(q[r][2 * p] * scale), b = f32_to_bf16(q[r][2 * p + 1] * scale);
+            qb[r * P + p] = a | (b << 16);
+        }
+    /* scores S[r][n] = q_r . k_(jlo + n) */
+    for (int n0 = 0; n0 < nkp; n0 += 16) {
+        for (int n = 0; n < 16; n++) {
+            const int nn = n0 + n < nk ? n0 + n : nk - 1;
+            const uint32_t *krow = (const uint32_t *)(kc + slots[nn]);
+            for (int p = 0; p < P; p++) kt[p * 16 + n] = krow[p];
+        }
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const uint32_t *q0 = qb + r0 * P;
+            for (int p = 0; p < P; p++) {
+                const __m512i kv = _mm512_load_si512(kt + p * 16);
+                a0 = _mm512_dpbf16_ps(a0, (__m512bh)kv, (__m512bh)_mm512_set1_epi32((int)q0[p]));
+                a1 = _mm512_dpbf16_ps(a1, (__m512bh)kv, (__m512bh)_mm512_set1_epi32((int)q0[P + p]));
+                a2 = _mm512_dpbf16_ps(a2, (__m512bh)kv, (__m512bh)_mm512_set1_epi32((int)q0[2 * P + p]));
+                a3 = _mm512_dpbf16_ps(a3, (__m512bh)kv, (__m512bh)_mm512_set1_epi32((int)q0[3 * P + p]));
+            }
+            _mm512_store_ps(S + (long)r0 * nkp + n0, a0);
+            if (r0 + 1 < R) _mm512_store_ps(S + (long)(r0 + 1) * nkp + n0, a1);
+            if (r0 + 2 < R) _mm512_store_ps(S + (long)(r0 + 2) * nkp + n0, a2);
+            if (r0 + 3 < R) _mm512_store_ps(S + (long)(r0 + 3) * nkp + n0, a3);
+        }
+    }
+    /* masked softmax numerators, per row */
+    float inv[R + RC];
+    for (int r = 0; r < R; r++) {
+        float *sr = S + (long)r * nkp;
+        const int a = lo[r] - jlo, b = hi[r] - jlo;
+        for (int n = 0; n < a; n++) sr[n] = -INFINITY;
+        for (int n = b + 1; n < nkp; n++) sr[n] = -INFINITY;
+        __m512 vmx = _mm512_set1_ps(-INFINITY);
+        for (int n = 0; n < nkp; n += 16) vmx = _mm512_max_ps(vmx, _mm512_load_ps(sr + n));
+        vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int n = 0; n < nkp; n += 16) {
+            __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(sr + n), vmx));
+            e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_load_ps(sr + n), _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), e);
+            _mm512_store_ps(sr + n, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        inv[r] = 1.0f / _mm512_reduce_add_ps(vsum);
+    }
+    for (int r = R; r < R + RC; r++) {
+        memset(S + (long)r * nkp, 0, sizeof(float) * nkp);
+        inv[r] = 0.0f;
+    }
+    /* out_r = sum_n P[r][n] v_n / sum */
+    for (int r0 = 0; r0 < R; r0 += RC) {
+        __m512 acc[RC][HD / 16];
+        for (int rr = 0; rr < RC; rr++)
+            for (int c = 0; c < HD / 16; c++) acc[rr][c] = _mm512_setzero_ps();
+        for (int n = 0; n < nk; n++) {
+            const bf16 *v = vc + slots[n];
+            __m512 vv[HD / 16];
+            for (int c = 0; c < HD / 16; c++) vv[c] = load_bf16x16(v + 16 * c);
+            for (int rr = 0; rr < RC; rr++) {
+                const __m512 pr = _mm512_set1_ps(S[(long)(r0 + rr) * nkp + n]);
+                for (int c = 0; c < HD / 16; c++) acc[rr][c] = _mm512_fmadd_ps(pr, vv[c], acc[rr][c]);
+            }
+        }
+        for (int rr = 0; rr < RC && r0 + rr < R; rr++) {
+            const __m512 sc = _mm512_set1_ps(inv[r0 + rr]);
+            for (int c = 0; c < HD / 16; c++)
+                _mm256_storeu_si256((__m256i *)(out[r0 + rr] + 16 * c),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[rr][c], sc)));
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ forward */
 
 static void *scratch_alloc(size_t bytes) {
@@ -450,6 +549,15 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     float *gu = scratch_alloc(sizeof(float) * (size_t)T * 2 * I);
     const int nthr = omp_get_max_threads();
     float *att_scr = scratch_alloc(sizeof(float) * (size_t)nthr * (max_ctx + hd + 16));
+    /* per-thread workspace of the grouped attention (see attend_group_hd) */
+    int max_q = 1;
+    for (int b = 0; b < B; b++) max_q = seq_info[3 * b + 1] > max_q ? seq_info[3 * b + 1] : max_q;
+    const int max_rows = max_q * G, ctx_pad = (max_ctx + 15) & ~15;
+    const size_t ws_bytes =
+        ((size_t)max_rows * (2 * sizeof(void *) + 2 * sizeof(int)) + sizeof(long) * ctx_pad + 64 +
+         sizeof(uint32_t) * (16 + max_rows + 4) * (hd / 2) + 64 + sizeof(float) * (size_t)(max_rows + 8) * ctx_pad +
+         63) & ~(size_t)63;
+    char *att_ws = scratch_alloc(ws_bytes * nthr);
     float *x = out;
 
     for (int t = 0; t < T; t++) {
@@ -481,6 +589,37 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
             f32_row_to_bf16(row + qs + kvs, L->vcache + slot * kvs, kvs);
         }
 
+        if (hd == 64 || hd == 128) {
+            /* attention: one task per (sequence, kv head) */
+#pragma omp parallel for schedule(dynamic, 1)
+            for (int task = 0; task < B * nkv; task++) {
+                const int b = task / nkv, g = task % nkv;
+                const int t0 = seq_info[3 * b], n = seq_info[3 * b + 1], start = seq_info[3 * b + 2];
+                const int R = n * G;
+                char *w = att_ws + (size_t)omp_get_thread_num() * ws_bytes;
+                const float **qp = (const float **)w;
+                bf16 **op = (bf16 **)(qp + max_rows);
+                int *lo = (int *)(op + max_rows), *hi = lo + max_rows;
+                long *slots = (long *)(hi + max_rows);
+                uint32_t *kt = (uint32_t *)(((uintptr_t)(slots + ctx_pad) + 63) & ~(uintptr_t)63);
+                uint32_t *qb = kt + (hd / 2) * 16;
+                float *S = (float *)(((uintptr_t)(qb + (max_rows + 4) * (hd / 2)) + 63) & ~(uintptr_t)63);
+                for (int r = 0; r < R; r++) {
+                    const int i = r / G, h = g * G + r % G, t = t0 + i;
+                    qp[r] = qkv + (long)t * nqkv + h * hd;
+                    op[r] = act + (long)t * actw + h * hd;
+                    hi[r] = start + i;
+                    lo[r] = m->window > 0 && hi[r] - m->window + 1 > 0 ? hi[r] - m->window + 1 : 0;
+                }
+                const int32_t *bt = block_tables + (long)b * max_blocks;
+                if (hd == 64)
+                    attend_group_hd(64, 6, R, qp, lo, hi, L->kcache, L->vcache, kvs, g, bt, bs, m->scale, S, qb, kt,
+                                    slots, op);
+                else
+                    attend_group_hd(128, 3, R, qp, lo, hi, L->kcache, L->vcache, kvs, g, bt, bs, m->scale, S, qb,
+                                    kt, slots, op);
+            }
+        } else {
         /* attention: one task per (token, head) */
 #pragma omp parallel for schedule(dynamic, 4)
         for (int task = 0; task < T * nh; task++) {
@@ -491,6 +630,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
             attend_one(qkv + (long)t * nqkv + h * hd, L->kcache, L->vcache, kvs, h / G, hd,
                        block_tables + (long)tok_seq[t] * max_blocks, bs, lo, pos, m->scale, scr,
                        scr + max_ctx, act + (long)t * actw + h * hd);
+        }
         }
         for (int t = 0; t < T; t++)
             for (long i = qs; i < amx_kp(qs); i++) act[t * actw + i] = 0;
@@ -526,6 +666,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     free(qkv);
     free(gu);
     free(att_scr);
+    free(att_ws);
     return 0;
 }
 

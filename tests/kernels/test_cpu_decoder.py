@@ -82,12 +82,35 @@ def test_matmul_rows_do_not_depend_on_the_batch(lib, path):
     assert torch.equal(_mm(lib, path, x[10:30], w), full[10:30])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fused_decode_is_at_least_as_accurate_as_torch_bf16(tiny_model_dirs, tmp_path, arch):
+# The fused attention has register-blocked kernels for head_dim 64 and 128 and a
+# generic one for anything else (the shared tiny models have head_dim 16).
+HEAD_DIMS = {
+    "hd64": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),  # GQA 2
+    "hd128": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=128),  # GQA 4
+}
+
+
+@pytest.fixture(scope="module")
+def head_dim_models(tmp_path_factory):
+    from tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("head-dims")
+    return {
+        "hd64": make_tiny_model(root / "hd64", "llama", **HEAD_DIMS["hd64"]),
+        "hd128": make_tiny_model(root / "hd128", "qwen3", **HEAD_DIMS["hd128"]),
+    }
+
+
+def _model_path(name, tiny_model_dirs, head_dim_models):
+    return head_dim_models[name] if name in head_dim_models else tiny_model_dirs[name]
+
+
+@pytest.mark.parametrize("arch", ARCHS + list(HEAD_DIMS))
+def test_fused_decode_is_at_least_as_accurate_as_torch_bf16(tiny_model_dirs, head_dim_models, tmp_path, arch):
     """Prefill on the torch path, then decode / verification chunks on the fused path,
     two ragged sequences with non-contiguous block tables; compared with float32
     math on the same bf16 weights."""
-    path = tiny_model_dirs[arch]
+    path = _model_path(arch, tiny_model_dirs, head_dim_models)
     _, fused = _runner(path, "fused", fused_max_tokens=8, cache_dir=tmp_path)
     _, plain = _runner(path, "torch")
     assert fused.fused is not None and plain.fused is None
@@ -116,10 +139,11 @@ def test_fused_decode_is_at_least_as_accurate_as_torch_bf16(tiny_model_dirs, tmp
         assert out_f.hidden.dtype == torch.bfloat16 and out_f.logits.dtype == torch.float32
 
 
-def test_fused_sliding_window_matches_reference(tmp_path):
+@pytest.mark.parametrize("dims", [{}, HEAD_DIMS["hd64"]], ids=["hd16", "hd64"])
+def test_fused_sliding_window_matches_reference(tmp_path, dims):
     from tiny_models import make_tiny_model
 
-    path = make_tiny_model(tmp_path / "sw", "mistral", sliding_window=6)
+    path = make_tiny_model(tmp_path / "sw", "mistral", sliding_window=6, **dims)
     _, fused = _runner(path, "fused", fused_max_tokens=4, cache_dir=tmp_path)
     ref = _reference_fp32(path)
     import transformers as tf
@@ -137,16 +161,18 @@ def test_fused_sliding_window_matches_reference(tmp_path):
         assert _rel_err(out.logits, ref_l[p : p + 4]) < 0.03
 
 
-def test_verification_chunk_equals_token_by_token_decoding(tiny_llama, tmp_path):
+@pytest.mark.parametrize("model", ["llama", "hd64", "hd128"])
+def test_verification_chunk_equals_token_by_token_decoding(tiny_model_dirs, head_dim_models, tmp_path, model):
     """Batch invariance end to end: K+1 positions verified in one fused forward give
     bit-identical logits to decoding them one at a time, alone or next to another
     sequence; this is what makes bf16 speculation exactly lossless here."""
+    path = _model_path(model, tiny_model_dirs, head_dim_models)
     ids = [11, 42, 7, 99, 3, 250, 17, 64, 5, 301, 8, 77, 120, 9]
     other = [5, 6, 7, 8, 9, 10, 11]
-    _, r1 = _runner(tiny_llama, "fused", fused_max_tokens=16, cache_dir=tmp_path)
+    _, r1 = _runner(path, "fused", fused_max_tokens=16, cache_dir=tmp_path)
     r1.forward([SeqInput(ids[:8], 0, [0, 1, 2, 3], [7])])
     chunk = r1.forward([SeqInput(ids[8:14], 8, [0, 1, 2, 3], list(range(6)))]).logits
-    _, r2 = _runner(tiny_llama, "fused", fused_max_tokens=16, cache_dir=tmp_path)
+    _, r2 = _runner(path, "fused", fused_max_tokens=16, cache_dir=tmp_path)
     r2.forward([SeqInput(ids[:8], 0, [0, 1, 2, 3], [7])])
     r2.forward([SeqInput(other, 0, [4, 5], [6])])
     other_pos = len(other)
