@@ -87,13 +87,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
-    # CPU bf16 data path: "fused" runs decode-sized steps (at most
-    # cpu_fused_max_tokens new tokens) in one C call per forward
-    # (specserve/kernels/cpu_decoder.c, AVX512-BF16, built with gcc on first
-    # use) and prefill through torch; "torch" is torch only; "auto" = fused
-    # where the CPU and a compiler allow it, else torch.
+    # CPU bf16 data path: "fused" runs each forward in one C call
+    # (specserve/kernels/cpu_decoder.c: AMX / AVX512-BF16, built with gcc on
+    # first use); "torch" is torch only; "auto" = fused where the CPU and a
+    # compiler allow it, else torch.  cpu_fused_max_tokens: steps with more new
+    # tokens go through torch instead (null = no limit).
     cpu_kernel: str = "auto"
-    cpu_fused_max_tokens: int = 32
+    cpu_fused_max_tokens: Optional[int] = None
     # Cap oneDNN's CPU ISA (ONEDNN_MAX_CPU_ISA) before torch loads.  "auto": cap
     # to AVX512_CORE_BF16 only when bf16 decode runs on the torch path (there the
     # AVX512-BF16 kernels stream GEMVs ~1.5x faster than AMX); with the fused
@@ -284,7 +284,8 @@ def validate_config(cfg: Config) -> Config:
         _int("engine.num_threads", e.num_threads, 1)
     if e.cpu_kernel not in ("auto", "fused", "torch"):
         raise ConfigError("engine.cpu_kernel", f"{e.cpu_kernel!r} is not one of auto, fused, torch")
-    _int("engine.cpu_fused_max_tokens", e.cpu_fused_max_tokens, 1)
+    if e.cpu_fused_max_tokens is not None:
+        _int("engine.cpu_fused_max_tokens", e.cpu_fused_max_tokens, 1)
     srv = cfg.server
     for port_key in ("grpc_port", "http_port"):
         port = getattr(srv, port_key)

@@ -41,10 +41,11 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    """``cpu_kernel`` picks the CPU bf16 data path: ``fused`` runs decode-sized
-    steps (at most ``fused_max_tokens`` new tokens) through the fused C decoder
-    (specserve/kernels/cpu_decoder.c) and larger ones (prefill) through torch;
-    ``torch`` always uses torch; ``auto`` is fused where the kernel can run."""
+    """``cpu_kernel`` picks the CPU bf16 data path: ``fused`` runs forwards
+    through the fused C decoder (specserve/kernels/cpu_decoder.c), except steps
+    of more than ``fused_max_tokens`` new tokens (None: no limit), which go
+    through torch; ``torch`` always uses torch; ``auto`` is fused where the
+    kernel can run."""
 
     def __init__(
         self,
@@ -52,7 +53,7 @@ class ModelRunner:
         kv: KVCache,
         min_causal_len: int = 2,
         cpu_kernel: str = "torch",
-        fused_max_tokens: int = 32,
+        fused_max_tokens: int | None = None,
         cache_dir: Path | None = None,
     ):
         self.loaded = loaded
@@ -121,7 +122,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], aux_layer_ids: tuple[int, ...] = ()) -> ForwardOutput:
-        if self.fused is not None and sum(len(s.token_ids) for s in seqs) <= self.fused_max_tokens:
+        if self.fused is not None and (
+            self.fused_max_tokens is None or sum(len(s.token_ids) for s in seqs) <= self.fused_max_tokens
+        ):
             return self._forward_fused(seqs, aux_layer_ids)
         meta, input_ids, positions, starts = self._metadata(seqs)
         hidden, aux = self.model(input_ids, positions, meta, self.kv, aux_layer_ids)

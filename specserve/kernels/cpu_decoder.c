@@ -241,62 +241,69 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) tile_config;
 
-/* y[m, n] (+)= x[m, :] . W[n, :] (+ bias[n]) for M <= 32 rows: tiles 0-3 are C
-   (row block r, column block c at 2r + c), 4-5 the two A row blocks, 6-7 B.
-   x rows must be zero-padded to a multiple of 32 (row stride ldx elements).
-   Each output row depends only on its own input row: the same instructions run
-   whatever M is. */
-static void gemm_amx_32(const bf16 *x, int M, long ldx, const bf16 *Wp, int N, int K, const float *bias, float *y,
-                        long ldy, int accumulate) {
+/* y[m, n] (+)= x[m, :] . W[n, :] (+ bias[n]) for any M.  Tiles 0-3 are C (row
+   block r of 16, column block c at 2r + c), 4-5 the two A row blocks, 6-7 B.
+   Within each column pair the rows go 32 at a time, so the pair's weights come
+   from memory once and from cache for the next row blocks.  x: row stride ldx,
+   columns zero-padded to a multiple of 32, rows readable up to a multiple of 32
+   (rows past M only feed C rows that are dropped).  Each output row depends
+   only on its own input row: the same instructions run whatever M is. */
+static void gemm_amx(const bf16 *x, int M, long ldx, const bf16 *Wp, int N, int K, const float *bias, float *y,
+                     long ldy, int accumulate) {
     const int KB = (int)(amx_kp(K) / 32), pairs = (N + 31) / 32;
-    const int r0 = M < 16 ? M : 16, r1 = M > 16 ? M - 16 : 0;
 #pragma omp parallel
     {
         tile_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette_id = 1;
-        for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
-        cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)r0;
-        cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)(r1 ? r1 : 1);
-        cfg.rows[6] = cfg.rows[7] = 16;
+        for (int t = 0; t < 8; t++) {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = 16;
+        }
         _tile_loadconfig(&cfg);
         float c[32][32] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int p = 0; p < pairs; p++) {
             const bf16 *b = Wp + (long)p * KB * 1024;
-            _tile_zero(0);
-            _tile_zero(1);
-            if (r1) {
-                _tile_zero(2);
-                _tile_zero(3);
-            }
-            for (int kb = 0; kb < KB; kb++) {
-                const bf16 *bk = b + (long)kb * 1024;
-                for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)bk + AMX_PREFETCH + i, _MM_HINT_T0);
-                _tile_loadd(6, bk, 64);
-                _tile_loadd(7, bk + 512, 64);
-                _tile_loadd(4, x + kb * 32, ldx * 2);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (r1) {
-                    _tile_loadd(5, x + 16 * ldx + kb * 32, ldx * 2);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
+            for (int m0 = 0; m0 < M; m0 += 32) {
+                const int rows = M - m0 < 32 ? M - m0 : 32, two = rows > 16;
+                const bf16 *xa = x + (long)m0 * ldx, *xb = xa + 16 * ldx;
+                _tile_zero(0);
+                _tile_zero(1);
+                if (two) {
+                    _tile_zero(2);
+                    _tile_zero(3);
                 }
-            }
-            _tile_stored(0, &c[0][0], 128);
-            _tile_stored(1, &c[0][16], 128);
-            if (r1) {
-                _tile_stored(2, &c[16][0], 128);
-                _tile_stored(3, &c[16][16], 128);
-            }
-            for (int m = 0; m < M; m++) {
-                float *dst = y + (long)m * ldy;
-                for (int j = 0; j < 32; j++) {
-                    const int n = p * 32 + j;
-                    if (n >= N) break;
-                    const float v = c[m][j] + (bias ? bias[n] : 0.0f);
-                    dst[n] = accumulate ? dst[n] + v : v;
+                for (int kb = 0; kb < KB; kb++) {
+                    const bf16 *bk = b + (long)kb * 1024;
+                    if (m0 == 0)
+                        for (int i = 0; i < 2048; i += 64)
+                            _mm_prefetch((const char *)bk + AMX_PREFETCH + i, _MM_HINT_T0);
+                    _tile_loadd(6, bk, 64);
+                    _tile_loadd(7, bk + 512, 64);
+                    _tile_loadd(4, xa + kb * 32, ldx * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, xb + kb * 32, ldx * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, &c[0][0], 128);
+                _tile_stored(1, &c[0][16], 128);
+                if (two) {
+                    _tile_stored(2, &c[16][0], 128);
+                    _tile_stored(3, &c[16][16], 128);
+                }
+                for (int m = 0; m < rows; m++) {
+                    float *dst = y + (long)(m0 + m) * ldy;
+                    for (int jj = 0; jj < 32; jj++) {
+                        const int n = p * 32 + jj;
+                        if (n >= N) break;
+                        const float v = c[m][jj] + (bias ? bias[n] : 0.0f);
+                        dst[n] = accumulate ? dst[n] + v : v;
+                    }
                 }
             }
         }
@@ -307,13 +314,10 @@ static void gemm_amx_32(const bf16 *x, int M, long ldx, const bf16 *Wp, int N, i
 /* One projection: AMX on packed weights when given, else the AVX512-BF16 GEMV. */
 static void matmul(const bf16 *x, int M, long ldx, const bf16 *W, const bf16 *Wp, int N, int K, const float *bias,
                    float *y, long ldy, int accumulate) {
-    if (!Wp) {
+    if (Wp)
+        gemm_amx(x, M, ldx, Wp, N, K, bias, y, ldy, accumulate);
+    else
         gemv(x, M, ldx, W, N, K, bias, y, ldy, accumulate);
-        return;
-    }
-    for (int m0 = 0; m0 < M; m0 += 32)
-        gemm_amx_32(x + (long)m0 * ldx, M - m0 < 32 ? M - m0 : 32, ldx, Wp, N, K, bias, y + (long)m0 * ldy, ldy,
-                    accumulate);
 }
 
 /* ------------------------------------------------------------- elementwise */
@@ -543,16 +547,28 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     /* one bf16 activation buffer, rows padded for AMX (pads are zeroed by each writer) */
     long actw = amx_kp(H) > amx_kp(qs) ? amx_kp(H) : amx_kp(qs);
     actw = actw > amx_kp(I) ? actw : amx_kp(I);
-    bf16 *act = scratch_alloc(sizeof(bf16) * (size_t)T * actw);
-    memset(act, 0, sizeof(bf16) * (size_t)T * actw);
+    const long Tp = (T + 31) / 32 * 32; /* AMX reads whole 32-row blocks */
+    bf16 *act = scratch_alloc(sizeof(bf16) * (size_t)Tp * actw);
+    memset(act, 0, sizeof(bf16) * (size_t)Tp * actw);
     float *qkv = scratch_alloc(sizeof(float) * (size_t)T * nqkv);
     float *gu = scratch_alloc(sizeof(float) * (size_t)T * 2 * I);
     const int nthr = omp_get_max_threads();
     float *att_scr = scratch_alloc(sizeof(float) * (size_t)nthr * (max_ctx + hd + 16));
-    /* per-thread workspace of the grouped attention (see attend_group_hd) */
-    int max_q = 1;
-    for (int b = 0; b < B; b++) max_q = seq_info[3 * b + 1] > max_q ? seq_info[3 * b + 1] : max_q;
-    const int max_rows = max_q * G, ctx_pad = (max_ctx + 15) & ~15;
+    /* grouped attention tasks (see attend_group_hd): rows of one (sequence, kv
+       head) go in chunks of tc tokens (about 48 query rows), so that prefill
+       spreads over threads and the per-thread workspace stays bounded */
+    const int tc = G >= 48 ? 1 : 48 / G;
+    int n_tasks = 0;
+    for (int b = 0; b < B; b++) n_tasks += (seq_info[3 * b + 1] + tc - 1) / tc * nkv;
+    int32_t *task_seq = scratch_alloc(sizeof(int32_t) * n_tasks), *task_chunk = scratch_alloc(sizeof(int32_t) * n_tasks);
+    n_tasks = 0;
+    for (int b = 0; b < B; b++)
+        for (int c = 0; c < (seq_info[3 * b + 1] + tc - 1) / tc; c++)
+            for (int g = 0; g < nkv; g++) {
+                task_seq[n_tasks] = b * nkv + g;
+                task_chunk[n_tasks++] = c;
+            }
+    const int max_rows = tc * G, ctx_pad = (max_ctx + 15) & ~15;
     const size_t ws_bytes =
         ((size_t)max_rows * (2 * sizeof(void *) + 2 * sizeof(int)) + sizeof(long) * ctx_pad + 64 +
          sizeof(uint32_t) * (16 + max_rows + 4) * (hd / 2) + 64 + sizeof(float) * (size_t)(max_rows + 8) * ctx_pad +
@@ -590,11 +606,12 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
         }
 
         if (hd == 64 || hd == 128) {
-            /* attention: one task per (sequence, kv head) */
+            /* attention: one task per (sequence, kv head, chunk of up to tc tokens) */
 #pragma omp parallel for schedule(dynamic, 1)
-            for (int task = 0; task < B * nkv; task++) {
-                const int b = task / nkv, g = task % nkv;
-                const int t0 = seq_info[3 * b], n = seq_info[3 * b + 1], start = seq_info[3 * b + 2];
+            for (int task = 0; task < n_tasks; task++) {
+                const int b = task_seq[task] / nkv, g = task_seq[task] % nkv, c0 = task_chunk[task] * tc;
+                const int n = seq_info[3 * b + 1] - c0 < tc ? seq_info[3 * b + 1] - c0 : tc;
+                const int t0 = seq_info[3 * b] + c0, start = seq_info[3 * b + 2] + c0;
                 const int R = n * G;
                 char *w = att_ws + (size_t)omp_get_thread_num() * ws_bytes;
                 const float **qp = (const float **)w;
@@ -667,6 +684,8 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     free(gu);
     free(att_scr);
     free(att_ws);
+    free(task_seq);
+    free(task_chunk);
     return 0;
 }
 
@@ -675,7 +694,8 @@ int ss_logits(const ss_model *m, const float *hidden, int N, float *logits) {
     if (N <= 0) return 0;
     const int H = m->hidden;
     const long ld = amx_kp(H);
-    bf16 *hb = scratch_alloc(sizeof(bf16) * (size_t)N * ld);
+    bf16 *hb = scratch_alloc(sizeof(bf16) * ((size_t)(N + 31) / 32 * 32) * ld);
+    memset(hb, 0, sizeof(bf16) * ((size_t)(N + 31) / 32 * 32) * ld);
     for (int t = 0; t < N; t++)
         for (long i = 0; i < ld; i++) hb[t * ld + i] = i < H ? f32_to_bf16(hidden[(long)t * H + i]) : 0;
     matmul(hb, N, ld, m->lm_head, m->lm_head_p, m->vocab, H, NULL, logits, m->vocab, 0);
@@ -687,7 +707,8 @@ int ss_logits(const ss_model *m, const float *hidden, int N, float *logits) {
    AMX when Wp (ss_pack_amx of W) is given. */
 int ss_matmul(const bf16 *x, int M, const bf16 *W, const bf16 *Wp, int N, int K, const float *bias, float *y) {
     const long ld = amx_kp(K);
-    bf16 *xp = scratch_alloc(sizeof(bf16) * (size_t)M * ld);
+    bf16 *xp = scratch_alloc(sizeof(bf16) * ((size_t)(M + 31) / 32 * 32) * ld);
+    memset(xp, 0, sizeof(bf16) * ((size_t)(M + 31) / 32 * 32) * ld);
     for (int t = 0; t < M; t++)
         for (long i = 0; i < ld; i++) xp[t * ld + i] = i < K ? x[(long)t * K + i] : 0;
     matmul(xp, M, ld, W, Wp, N, K, bias, y, N, 0);

@@ -33,7 +33,7 @@ class _DraftState:
 class DraftModelProposer:
     def __init__(
         self, draft: LoadedModel, k: int, num_blocks: int, block_size: int, cpu_kernel: str = "torch",
-        fused_max_tokens: int = 32,
+        fused_max_tokens: int | None = None,
     ):
         self.k = k
         self.blocks = BlockManager(num_blocks, block_size)

@@ -25,7 +25,7 @@ def lib(tmp_path_factory):
         pytest.skip(f"fused CPU decoder unavailable here: {e}")
 
 
-def _runner(path, cpu_kernel, num_blocks=64, block_size=4, fused_max_tokens=32, cache_dir=None):
+def _runner(path, cpu_kernel, num_blocks=64, block_size=4, fused_max_tokens=None, cache_dir=None):
     lm = load_model(str(path), "bfloat16", torch.device("cpu"))
     kv = KVCache(lm.arch.num_layers, num_blocks, block_size, lm.arch.num_kv_heads, lm.arch.head_dim,
                  torch.bfloat16, torch.device("cpu"))
@@ -58,7 +58,7 @@ def _mm(lib, path, x, w, bias=None):
     return matmul(lib, x, w, pack_amx(lib, w) if path == "amx" else None, bias)
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 1, 32), (3, 5, 48), (7, 13, 100), (9, 64, 576), (4, 4, 31), (33, 40, 64)])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 32), (3, 5, 48), (7, 13, 100), (9, 64, 576), (4, 4, 31), (33, 40, 64), (70, 40, 96)])
 def test_matmul_matches_fp64_reference_with_tails(lib, path, M, N, K):
     g = torch.Generator().manual_seed(M * 100 + N)
     x = torch.randn(M, K, generator=g).bfloat16()
@@ -73,10 +73,11 @@ def test_matmul_matches_fp64_reference_with_tails(lib, path, M, N, K):
 def test_matmul_rows_do_not_depend_on_the_batch(lib, path):
     """Each row is computed by the same instruction sequence whatever M is: bit-exact."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(40, 576, generator=g).bfloat16()
+    x = torch.randn(75, 576, generator=g).bfloat16()
     w = torch.randn(37, 576, generator=g).bfloat16()
     full = _mm(lib, path, x, w)
-    for m in (0, 5, 17, 39):
+    assert torch.equal(_mm(lib, path, x[40:], w), full[40:])
+    for m in (0, 5, 17, 39, 74):
         assert torch.equal(_mm(lib, path, x[m : m + 1], w)[0], full[m])
     assert torch.equal(_mm(lib, path, x[2:8], w), full[2:8])
     assert torch.equal(_mm(lib, path, x[10:30], w), full[10:30])
@@ -262,3 +263,26 @@ def test_amx_and_avx512_decoders_agree(tiny_model_dirs, lib):
         hidden, _ = dec.forward(ids, [(0, 7, 0), (7, 5, 0)], [[0, 1], [2, 3]])
         outs.append(dec.logits(hidden))
     assert _rel_err(outs[1], outs[0]) < 5e-3
+
+
+@pytest.mark.parametrize("model", ["llama", "hd64", "hd128"])
+def test_fused_prefill_matches_reference_and_is_chunking_invariant(tiny_model_dirs, head_dim_models, tmp_path, model):
+    """Prefill on the fused path too (the default): accurate against float32 math,
+    and the logits of a token do not depend on how its prompt was chunked or
+    batched (prefill in one 70-token step, or in chunks next to another sequence)."""
+    path = _model_path(model, tiny_model_dirs, head_dim_models)
+    ref = _reference_fp32(path)
+    ids = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(9)).tolist()
+    with torch.no_grad():
+        ref_l = ref(torch.tensor([ids])).logits[0]
+    table = list(range(20))
+    _, r1 = _runner(path, "fused", cache_dir=tmp_path)
+    assert r1.fused_max_tokens is None
+    one = r1.forward([SeqInput(ids, 0, table, list(range(70)))]).logits
+    assert _rel_err(one, ref_l) < 0.03
+    _, r2 = _runner(path, "fused", cache_dir=tmp_path)
+    other = list(range(100, 140))
+    a = r2.forward([SeqInput(ids[:23], 0, table, list(range(23))), SeqInput(other, 0, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39], [39])])
+    b = r2.forward([SeqInput(ids[23:], 23, table, list(range(47)))])
+    assert torch.equal(a.logits[:23], one[:23])
+    assert torch.equal(b.logits, one[23:])
