@@ -404,6 +404,55 @@ static void attend_one(const float *q, const bf16 *kc, const bf16 *vc, int kv_st
     for (int d = 0; d < hd; d++) out[d] = f32_to_bf16(acc[d] * inv);
 }
 
+/* In-register transpose of a 16 x 16 matrix of 32-bit elements (row i in r[i]). */
+static inline void transpose16x16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* r[4i + e], 128-bit lane L: rows 4i..4i+3 of column 4L + e */
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i ab_lo = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), ab_hi = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+        const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+        const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+        t[e] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+        t[4 + e] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+        t[8 + e] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+        t[12 + e] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* out[r] = bf16(sum_n S[r][n] v_n * inv[r]) for RC rows, fp32 accumulators in registers. */
+static inline __attribute__((always_inline)) void pv_rows(const int HD, const int RC, int nk, int nkp, const float *S,
+                                                          const bf16 *vc, const long *slots, const float *inv,
+                                                          bf16 *const *out) {
+    __m512 acc[RC][HD / 16];
+    for (int rr = 0; rr < RC; rr++)
+        for (int c = 0; c < HD / 16; c++) acc[rr][c] = _mm512_setzero_ps();
+    for (int n = 0; n < nk; n++) {
+        const bf16 *v = vc + slots[n];
+        __m512 vv[HD / 16];
+        for (int c = 0; c < HD / 16; c++) vv[c] = load_bf16x16(v + 16 * c);
+        for (int rr = 0; rr < RC; rr++) {
+            const __m512 pr = _mm512_set1_ps(S[(long)rr * nkp + n]);
+            for (int c = 0; c < HD / 16; c++) acc[rr][c] = _mm512_fmadd_ps(pr, vv[c], acc[rr][c]);
+        }
+    }
+    for (int rr = 0; rr < RC; rr++) {
+        const __m512 sc = _mm512_set1_ps(inv[rr]);
+        for (int c = 0; c < HD / 16; c++)
+            _mm256_storeu_si256((__m256i *)(out[rr] + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[rr][c], sc)));
+    }
+}
+
 /* All query rows of one (sequence, kv head) group at once: the G query heads
    of the group for each new token of the sequence (R rows, row r attends to
    keys lo[r]..hi[r]).  Keys are visited once per group: scores come 16 keys
@@ -421,9 +470,11 @@ static inline __attribute__((always_inline)) void attend_group_hd(
         jhi = hi[r] > jhi ? hi[r] : jhi;
     }
     const int nk = jhi - jlo + 1, nkp = (nk + 15) & ~15;
-    for (int n = 0; n < nk; n++) {
-        const int j = jlo + n;
-        slots[n] = ((long)bt[j / bs] * bs + j % bs) * kv_stride + (long)g * HD;
+    for (int j = jlo, n = 0; j <= jhi;) { /* one division per cache block */
+        const int blk = j / bs;
+        const long base = (long)bt[blk] * bs;
+        for (int off = j - blk * bs; off < bs && j <= jhi; off++, j++)
+            slots[n++] = (base + off) * kv_stride + (long)g * HD;
     }
     for (int r = 0; r < R + 4; r++)
         for (int p = 0; p < P; p++) {
@@ -436,10 +487,14 @@ static inline __attribute__((always_inline)) void attend_group_hd(
         }
     /* scores S[r][n] = q_r . k_(jlo + n) */
     for (int n0 = 0; n0 < nkp; n0 += 16) {
-        for (int n = 0; n < 16; n++) {
-            const int nn = n0 + n < nk ? n0 + n : nk - 1;
-            const uint32_t *krow = (const uint32_t *)(kc + slots[nn]);
-            for (int p = 0; p < P; p++) kt[p * 16 + n] = krow[p];
+        for (int blk = 0; blk < P / 16; blk++) { /* 16 keys x 16 bf16 pairs -> pair-major */
+            __m512i rows[16];
+            for (int n = 0; n < 16; n++) {
+                const int nn = n0 + n < nk ? n0 + n : nk - 1;
+                rows[n] = _mm512_loadu_si512(kc + slots[nn] + 32 * blk);
+            }
+            transpose16x16_epi32(rows);
+            for (int p = 0; p < 16; p++) _mm512_store_si512(kt + (blk * 16 + p) * 16, rows[p]);
         }
         for (int r0 = 0; r0 < R; r0 += 4) {
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -480,25 +535,15 @@ static inline __attribute__((always_inline)) void attend_group_hd(
         memset(S + (long)r * nkp, 0, sizeof(float) * nkp);
         inv[r] = 0.0f;
     }
-    /* out_r = sum_n P[r][n] v_n / sum */
+    /* out_r = sum_n P[r][n] v_n / sum, RC rows at a time (the last block with as many as remain) */
     for (int r0 = 0; r0 < R; r0 += RC) {
-        __m512 acc[RC][HD / 16];
-        for (int rr = 0; rr < RC; rr++)
-            for (int c = 0; c < HD / 16; c++) acc[rr][c] = _mm512_setzero_ps();
-        for (int n = 0; n < nk; n++) {
-            const bf16 *v = vc + slots[n];
-            __m512 vv[HD / 16];
-            for (int c = 0; c < HD / 16; c++) vv[c] = load_bf16x16(v + 16 * c);
-            for (int rr = 0; rr < RC; rr++) {
-                const __m512 pr = _mm512_set1_ps(S[(long)(r0 + rr) * nkp + n]);
-                for (int c = 0; c < HD / 16; c++) acc[rr][c] = _mm512_fmadd_ps(pr, vv[c], acc[rr][c]);
-            }
-        }
-        for (int rr = 0; rr < RC && r0 + rr < R; rr++) {
-            const __m512 sc = _mm512_set1_ps(inv[r0 + rr]);
-            for (int c = 0; c < HD / 16; c++)
-                _mm256_storeu_si256((__m256i *)(out[r0 + rr] + 16 * c),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[rr][c], sc)));
+        switch (R - r0 < RC ? R - r0 : RC) {
+        case 1: pv_rows(HD, 1, nk, nkp, S + (long)r0 * nkp, vc, slots, inv + r0, out + r0); break;
+        case 2: pv_rows(HD, 2, nk, nkp, S + (long)r0 * nkp, vc, slots, inv + r0, out + r0); break;
+        case 3: pv_rows(HD, 3, nk, nkp, S + (long)r0 * nkp, vc, slots, inv + r0, out + r0); break;
+        case 4: pv_rows(HD, 4, nk, nkp, S + (long)r0 * nkp, vc, slots, inv + r0, out + r0); break;
+        case 5: pv_rows(HD, 5, nk, nkp, S + (long)r0 * nkp, vc, slots, inv + r0, out + r0); break;
+        default: pv_rows(HD, 6, nk, nkp, S + (long)r0 * nkp, vc, slots, inv + r0, out + r0); break;
         }
     }
 }
