@@ -199,7 +199,7 @@ def run_bench(cfg: Config) -> int:
     if cfg.engine.num_threads is not None:
         torch.set_num_threads(cfg.engine.num_threads)
     m = cfg.model
-    target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir)
+    target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir, cpu_kernel=cfg.engine.cpu_kernel)
     cache = Path(m.cache_dir) if m.cache_dir else default_cache_dir()
     engine = LLMEngine(cfg, target=target)
     tok = engine.tokenizer

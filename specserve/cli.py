@@ -166,12 +166,10 @@ def _cap_onednn_isa(cfg: Config) -> None:
 
 
 def _fused_decoder_expected(cfg: Config) -> bool:
-    """Will bf16 decode run on the fused CPU decoder? (asked before torch loads)"""
-    from specserve.kernels.cpu_features import cpu_unsupported_reason, find_compiler
+    """Will bf16 run on the fused CPU decoder? (asked before torch loads)"""
+    from specserve.kernels.cpu_features import fused_kernel_expected
 
-    if cfg.engine.cpu_kernel == "torch":
-        return False
-    return cpu_unsupported_reason() is None and find_compiler() is not None
+    return fused_kernel_expected(cfg.engine.cpu_kernel)
 
 
 def _serve(cfg: Config) -> int:

@@ -72,7 +72,7 @@ class LLMEngine:
         device = resolve_device(e.device)
         if target is None:
             m = cfg.model
-            target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir)
+            target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir, cpu_kernel=e.cpu_kernel)
         self.target = target
         self.tokenizer = Tokenizer(target.tokenizer, target.eos_token_ids)
         self.max_model_len = target.max_model_len

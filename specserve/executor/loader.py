@@ -50,15 +50,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 on CUDA and float32 on CPU.
+def resolve_dtype(name: str, device: torch.device, cpu_kernel: str = "auto") -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA; on CPU it is bfloat16 where the fused CPU
+    decoder runs (``engine.cpu_kernel``; AVX512-BF16 and a C compiler or a
+    prebuilt kernel) and float32 elsewhere.
 
-    On CPU, bf16 GEMV kernels stream weights at well under memory bandwidth, so
-    float32 decodes about as fast, and its batch-size-dependent rounding is
-    small enough that served outputs equal unbatched greedy output exactly
-    (bf16 flips near-ties between batched and single-request runs)."""
+    The fused decoder streams bf16 weights near memory bandwidth and computes
+    every row the same way whatever the batch holds, so bf16 outputs do not
+    depend on batching, chunking or speculation.  torch's CPU bf16 kernels do
+    neither (they flip near-ties between batch shapes), where float32 is about
+    as fast and keeps served output equal to unbatched greedy output."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        from specserve.kernels.cpu_features import fused_kernel_expected
+
+        return torch.bfloat16 if fused_kernel_expected(cpu_kernel) else torch.float32
     if name == "float16" and device.type != "cuda":
         raise ModelLoadError("model.dtype=float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
     return DTYPES[name]
@@ -218,11 +225,12 @@ def load_model(
     max_model_len: int | None = None,
     cache_dir: str | None = None,
     key: str = "model",
+    cpu_kernel: str = "auto",
 ) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     hf_dir = resolve_hf_dir(path, cache_dir)
-    dtype = resolve_dtype(dtype_name, device)
+    dtype = resolve_dtype(dtype_name, device, cpu_kernel)
     try:
         hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad config.json

@@ -15,7 +15,6 @@ C side only sees their data pointers.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import subprocess
@@ -26,16 +25,11 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from specserve.kernels.cpu_features import cpu_flags, cpu_unsupported_reason, find_compiler
+from specserve.kernels.cpu_features import CFLAGS, SOURCE, cpu_flags, cpu_unsupported_reason, find_compiler, library_name
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decoder.c")
 ABI_VERSION = 2
-CFLAGS = (
-    "-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp",
-    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
-)  # fmt: skip
 
 
 class KernelUnavailable(RuntimeError):
@@ -52,11 +46,6 @@ def _build(cc: str, out: Path) -> None:
         if proc.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp_lib, out)  # atomic: concurrent builders never see a partial file
-
-
-def library_name() -> str:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    return f"cpu_decoder-{key}.so"
 
 
 def build_library(out_dir: Path) -> Path:

@@ -286,3 +286,20 @@ def test_fused_prefill_matches_reference_and_is_chunking_invariant(tiny_model_di
     b = r2.forward([SeqInput(ids[23:], 23, table, list(range(47)))])
     assert torch.equal(a.logits[:23], one[:23])
     assert torch.equal(b.logits, one[23:])
+
+
+def test_auto_dtype_is_bf16_only_where_the_fused_decoder_runs(monkeypatch, lib):
+    from specserve.executor.loader import resolve_dtype
+    from specserve.kernels import cpu_features
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, "auto") == torch.bfloat16  # this machine: AVX512-BF16 + gcc
+    assert resolve_dtype("auto", cpu, "torch") == torch.float32
+    assert resolve_dtype("bfloat16", cpu, "torch") == torch.bfloat16  # explicit wins
+    monkeypatch.setattr(cpu_features, "find_compiler", lambda: None)
+    monkeypatch.setattr(cpu_features, "SOURCE", cpu_features.SOURCE.with_name("no-such-kernel.c"))
+    monkeypatch.setattr(cpu_features, "library_name", lambda: "absent.so")
+    assert resolve_dtype("auto", cpu, "auto") == torch.float32  # no compiler, no prebuilt library
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_features, "cpu_unsupported_reason", lambda: "the CPU lacks avx512_bf16")
+    assert resolve_dtype("auto", cpu, "auto") == torch.float32
