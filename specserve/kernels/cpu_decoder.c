@@ -574,15 +574,34 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
 
     int32_t *tok_seq = scratch_alloc(sizeof(int32_t) * T);
     int32_t *tok_pos = scratch_alloc(sizeof(int32_t) * T);
-    int max_ctx = 1;
-    for (int b = 0; b < B; b++) {
+    int max_ctx = 1, next = 0;
+    if (!tok_seq || !tok_pos) {
+        free(tok_seq);
+        free(tok_pos);
+        return -4;
+    }
+    for (int t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= m->vocab) {
+            free(tok_seq);
+            free(tok_pos);
+            return -3;
+        }
+    for (int b = 0; b <= B; b++) {
+        /* sequences must tile the token axis in order */
+        if (b == B) {
+            if (next == T) break;
+            free(tok_seq);
+            free(tok_pos);
+            return -2;
+        }
         const int t0 = seq_info[3 * b], n = seq_info[3 * b + 1], start = seq_info[3 * b + 2];
-        if (t0 < 0 || n <= 0 || t0 + n > T || start < 0 || start + n > m->n_positions ||
+        if (t0 != next || n <= 0 || t0 + n > T || start < 0 || start + n > m->n_positions ||
             (start + n + bs - 1) / bs > max_blocks) {
             free(tok_seq);
             free(tok_pos);
             return -2;
         }
+        next += n;
         for (int i = 0; i < n; i++) {
             tok_seq[t0 + i] = b;
             tok_pos[t0 + i] = start + i;
@@ -594,7 +613,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     actw = actw > amx_kp(I) ? actw : amx_kp(I);
     const long Tp = (T + 31) / 32 * 32; /* AMX reads whole 32-row blocks */
     bf16 *act = scratch_alloc(sizeof(bf16) * (size_t)Tp * actw);
-    memset(act, 0, sizeof(bf16) * (size_t)Tp * actw);
+    if (act) memset(act, 0, sizeof(bf16) * (size_t)Tp * actw);
     float *qkv = scratch_alloc(sizeof(float) * (size_t)T * nqkv);
     float *gu = scratch_alloc(sizeof(float) * (size_t)T * 2 * I);
     const int nthr = omp_get_max_threads();
@@ -607,7 +626,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     for (int b = 0; b < B; b++) n_tasks += (seq_info[3 * b + 1] + tc - 1) / tc * nkv;
     int32_t *task_seq = scratch_alloc(sizeof(int32_t) * n_tasks), *task_chunk = scratch_alloc(sizeof(int32_t) * n_tasks);
     n_tasks = 0;
-    for (int b = 0; b < B; b++)
+    for (int b = 0; b < B && task_seq && task_chunk; b++)
         for (int c = 0; c < (seq_info[3 * b + 1] + tc - 1) / tc; c++)
             for (int g = 0; g < nkv; g++) {
                 task_seq[n_tasks] = b * nkv + g;
@@ -619,6 +638,18 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
          sizeof(uint32_t) * (16 + max_rows + 4) * (hd / 2) + 64 + sizeof(float) * (size_t)(max_rows + 8) * ctx_pad +
          63) & ~(size_t)63;
     char *att_ws = scratch_alloc(ws_bytes * nthr);
+    if (!act || !qkv || !gu || !att_scr || !att_ws || !task_seq || !task_chunk) {
+        free(tok_seq);
+        free(tok_pos);
+        free(act);
+        free(qkv);
+        free(gu);
+        free(att_scr);
+        free(att_ws);
+        free(task_seq);
+        free(task_chunk);
+        return -4;
+    }
     float *x = out;
 
     for (int t = 0; t < T; t++) {

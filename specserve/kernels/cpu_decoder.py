@@ -257,8 +257,11 @@ class CpuDecoder:
             ctypes.addressof(self._model), T, _ptr(ids), len(seqs), _ptr(info), _ptr(tables), width,
             _ptr(out), aux_ptrs,
         )  # fmt: skip
+        if rc == -4:
+            raise MemoryError("fused CPU decoder: out of memory for this step's buffers")
         if rc != 0:
-            raise ValueError(f"fused CPU decoder rejected its inputs (code {rc})")
+            what = {-1: "model shape", -2: "sequence layout or block tables", -3: "a token id outside the vocabulary"}
+            raise ValueError(f"fused CPU decoder rejected its inputs: {what.get(rc, rc)}")
         return out, aux
 
     def logits(self, hidden: Tensor) -> Tensor:

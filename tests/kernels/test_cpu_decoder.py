@@ -203,6 +203,12 @@ def test_bad_inputs_are_clear_errors(tiny_llama, tmp_path):
     _, fused = _runner(tiny_llama, "fused", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="block table covers 4 positions, needs 6"):
         fused.forward([SeqInput([1, 2], 4, [0], [1])])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        fused.forward([SeqInput([1, 512], 0, [0], [1])])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        fused.forward([SeqInput([-1], 0, [0], [0])])
+    with pytest.raises(ValueError, match="sequence layout"):  # a position beyond the rotary table
+        fused.forward([SeqInput([1], 10_000, list(range(2501)), [0])])
     with pytest.raises(ConfigError, match="engine.cpu_kernel"):
         lm = load_model(str(tiny_llama), "float32", torch.device("cpu"))
         kv = KVCache(lm.arch.num_layers, 8, 4, lm.arch.num_kv_heads, lm.arch.head_dim, torch.float32,
