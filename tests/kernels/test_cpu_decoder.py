@@ -18,11 +18,22 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
+def kcache(tmp_path_factory):
+    """One kernel build per test module (each build is a few seconds of gcc)."""
+    return tmp_path_factory.mktemp("kernel-cache")
+
+
+@pytest.fixture(scope="module")
+def lib(kcache):
     try:
-        return load_library(tmp_path_factory.mktemp("kernel-cache"))
+        return load_library(kcache)
     except KernelUnavailable as e:
         pytest.skip(f"fused CPU decoder unavailable here: {e}")
+
+
+@pytest.fixture(autouse=True)
+def _needs_kernel(lib):
+    """Every test here skips (with the reason) where the kernel cannot run."""
 
 
 def _runner(path, cpu_kernel, num_blocks=64, block_size=4, fused_max_tokens=None, cache_dir=None):
@@ -107,12 +118,12 @@ def _model_path(name, tiny_model_dirs, head_dim_models):
 
 
 @pytest.mark.parametrize("arch", ARCHS + list(HEAD_DIMS))
-def test_fused_decode_is_at_least_as_accurate_as_torch_bf16(tiny_model_dirs, head_dim_models, tmp_path, arch):
+def test_fused_decode_is_at_least_as_accurate_as_torch_bf16(tiny_model_dirs, head_dim_models, kcache, arch):
     """Prefill on the torch path, then decode / verification chunks on the fused path,
     two ragged sequences with non-contiguous block tables; compared with float32
     math on the same bf16 weights."""
     path = _model_path(arch, tiny_model_dirs, head_dim_models)
-    _, fused = _runner(path, "fused", fused_max_tokens=8, cache_dir=tmp_path)
+    _, fused = _runner(path, "fused", fused_max_tokens=8, cache_dir=kcache)
     _, plain = _runner(path, "torch")
     assert fused.fused is not None and plain.fused is None
     ref = _reference_fp32(path)
@@ -141,11 +152,11 @@ def test_fused_decode_is_at_least_as_accurate_as_torch_bf16(tiny_model_dirs, hea
 
 
 @pytest.mark.parametrize("dims", [{}, HEAD_DIMS["hd64"]], ids=["hd16", "hd64"])
-def test_fused_sliding_window_matches_reference(tmp_path, dims):
+def test_fused_sliding_window_matches_reference(tmp_path, kcache, dims):
     from tiny_models import make_tiny_model
 
     path = make_tiny_model(tmp_path / "sw", "mistral", sliding_window=6, **dims)
-    _, fused = _runner(path, "fused", fused_max_tokens=4, cache_dir=tmp_path)
+    _, fused = _runner(path, "fused", fused_max_tokens=4, cache_dir=kcache)
     ref = _reference_fp32(path)
     import transformers as tf
 
@@ -163,17 +174,17 @@ def test_fused_sliding_window_matches_reference(tmp_path, dims):
 
 
 @pytest.mark.parametrize("model", ["llama", "hd64", "hd128"])
-def test_verification_chunk_equals_token_by_token_decoding(tiny_model_dirs, head_dim_models, tmp_path, model):
+def test_verification_chunk_equals_token_by_token_decoding(tiny_model_dirs, head_dim_models, kcache, model):
     """Batch invariance end to end: K+1 positions verified in one fused forward give
     bit-identical logits to decoding them one at a time, alone or next to another
     sequence; this is what makes bf16 speculation exactly lossless here."""
     path = _model_path(model, tiny_model_dirs, head_dim_models)
     ids = [11, 42, 7, 99, 3, 250, 17, 64, 5, 301, 8, 77, 120, 9]
     other = [5, 6, 7, 8, 9, 10, 11]
-    _, r1 = _runner(path, "fused", fused_max_tokens=16, cache_dir=tmp_path)
+    _, r1 = _runner(path, "fused", fused_max_tokens=16, cache_dir=kcache)
     r1.forward([SeqInput(ids[:8], 0, [0, 1, 2, 3], [7])])
     chunk = r1.forward([SeqInput(ids[8:14], 8, [0, 1, 2, 3], list(range(6)))]).logits
-    _, r2 = _runner(path, "fused", fused_max_tokens=16, cache_dir=tmp_path)
+    _, r2 = _runner(path, "fused", fused_max_tokens=16, cache_dir=kcache)
     r2.forward([SeqInput(ids[:8], 0, [0, 1, 2, 3], [7])])
     r2.forward([SeqInput(other, 0, [4, 5], [6])])
     other_pos = len(other)
@@ -186,8 +197,8 @@ def test_verification_chunk_equals_token_by_token_decoding(tiny_model_dirs, head
         assert torch.equal(one, chunk[i - 8]), i
 
 
-def test_fused_aux_hidden_states(tiny_llama, tmp_path):
-    _, fused = _runner(tiny_llama, "fused", cache_dir=tmp_path)
+def test_fused_aux_hidden_states(tiny_llama, kcache):
+    _, fused = _runner(tiny_llama, "fused", cache_dir=kcache)
     _, plain = _runner(tiny_llama, "torch")
     ids = list(range(10, 20))
     plain.forward([SeqInput(ids[:6], 0, [0, 1, 2], [5])])
@@ -199,8 +210,8 @@ def test_fused_aux_hidden_states(tiny_llama, tmp_path):
     assert _rel_err(got.aux[1], want.aux[1]) < 0.03
 
 
-def test_bad_inputs_are_clear_errors(tiny_llama, tmp_path):
-    _, fused = _runner(tiny_llama, "fused", cache_dir=tmp_path)
+def test_bad_inputs_are_clear_errors(tiny_llama, kcache):
+    _, fused = _runner(tiny_llama, "fused", cache_dir=kcache)
     with pytest.raises(ValueError, match="block table covers 4 positions, needs 6"):
         fused.forward([SeqInput([1, 2], 4, [0], [1])])
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -229,18 +240,18 @@ def _bf16_engine(model_dir, tmp_path, method=None, **kw):
 
 
 @pytest.mark.parametrize("method,kw", [("ngram", {"k": 3}), ("draft_model", {"k": 2})])
-def test_bf16_speculation_is_exactly_lossless_on_the_fused_path(tiny_llama, tiny_draft, tmp_path, lib, method, kw):
+def test_bf16_speculation_is_exactly_lossless_on_the_fused_path(tiny_llama, tiny_draft, kcache, lib, method, kw):
     """bf16 on the fused path: speculative greedy output equals plain greedy output
     token for token (no near-tie flips), and every KV block comes back."""
     from engine_utils import greedy, random_prompts, run
 
     prompts = random_prompts(6, seed=5)
-    vanilla = _bf16_engine(tiny_llama, tmp_path)
+    vanilla = _bf16_engine(tiny_llama, kcache)
     assert vanilla.runner.fused is not None
     want = run(vanilla, prompts, [greedy(24) for _ in prompts])
     if method == "draft_model":
         kw["draft_dir"] = tiny_draft
-    eng = _bf16_engine(tiny_llama, tmp_path, method, **kw)
+    eng = _bf16_engine(tiny_llama, kcache, method, **kw)
     outs = eng.generate(prompts, [greedy(24) for _ in prompts])
     assert [o.token_ids for o in outs] == want
     drafts = sum(o.spec.num_draft_tokens for o in outs)
@@ -272,7 +283,7 @@ def test_amx_and_avx512_decoders_agree(tiny_model_dirs, lib):
 
 
 @pytest.mark.parametrize("model", ["llama", "hd64", "hd128"])
-def test_fused_prefill_matches_reference_and_is_chunking_invariant(tiny_model_dirs, head_dim_models, tmp_path, model):
+def test_fused_prefill_matches_reference_and_is_chunking_invariant(tiny_model_dirs, head_dim_models, kcache, model):
     """Prefill on the fused path too (the default): accurate against float32 math,
     and the logits of a token do not depend on how its prompt was chunked or
     batched (prefill in one 70-token step, or in chunks next to another sequence)."""
@@ -282,11 +293,11 @@ def test_fused_prefill_matches_reference_and_is_chunking_invariant(tiny_model_di
     with torch.no_grad():
         ref_l = ref(torch.tensor([ids])).logits[0]
     table = list(range(20))
-    _, r1 = _runner(path, "fused", cache_dir=tmp_path)
+    _, r1 = _runner(path, "fused", cache_dir=kcache)
     assert r1.fused_max_tokens is None
     one = r1.forward([SeqInput(ids, 0, table, list(range(70)))]).logits
     assert _rel_err(one, ref_l) < 0.03
-    _, r2 = _runner(path, "fused", cache_dir=tmp_path)
+    _, r2 = _runner(path, "fused", cache_dir=kcache)
     other = list(range(100, 140))
     a = r2.forward([SeqInput(ids[:23], 0, table, list(range(23))), SeqInput(other, 0, [30, 31, 32, 33, 34, 35, 36, 37, 38, 39], [39])])
     b = r2.forward([SeqInput(ids[23:], 23, table, list(range(47)))])
