@@ -572,34 +572,32 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     const int G = nh / nkv;
     if (T <= 0 || B <= 0 || G * nkv != nh) return -1;
 
-    int32_t *tok_seq = scratch_alloc(sizeof(int32_t) * T);
-    int32_t *tok_pos = scratch_alloc(sizeof(int32_t) * T);
+    /* every buffer, freed once at `done` whatever the exit */
+    int rc = 0;
+    int32_t *tok_seq = NULL, *tok_pos = NULL, *task_seq = NULL, *task_chunk = NULL;
+    bf16 *act = NULL;
+    float *qkv = NULL, *gu = NULL, *att_scr = NULL;
+    char *att_ws = NULL;
+
+    tok_seq = scratch_alloc(sizeof(int32_t) * T);
+    tok_pos = scratch_alloc(sizeof(int32_t) * T);
     int max_ctx = 1, next = 0;
     if (!tok_seq || !tok_pos) {
-        free(tok_seq);
-        free(tok_pos);
-        return -4;
+        rc = -4;
+        goto done;
     }
     for (int t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= m->vocab) {
-            free(tok_seq);
-            free(tok_pos);
-            return -3;
+            rc = -3;
+            goto done;
         }
-    for (int b = 0; b <= B; b++) {
+    for (int b = 0; b < B; b++) {
         /* sequences must tile the token axis in order */
-        if (b == B) {
-            if (next == T) break;
-            free(tok_seq);
-            free(tok_pos);
-            return -2;
-        }
         const int t0 = seq_info[3 * b], n = seq_info[3 * b + 1], start = seq_info[3 * b + 2];
         if (t0 != next || n <= 0 || t0 + n > T || start < 0 || start + n > m->n_positions ||
             (start + n + bs - 1) / bs > max_blocks) {
-            free(tok_seq);
-            free(tok_pos);
-            return -2;
+            rc = -2;
+            goto done;
         }
         next += n;
         for (int i = 0; i < n; i++) {
@@ -608,23 +606,28 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
         }
         if (start + n > max_ctx) max_ctx = start + n;
     }
+    if (next != T) {
+        rc = -2;
+        goto done;
+    }
     /* one bf16 activation buffer, rows padded for AMX (pads are zeroed by each writer) */
     long actw = amx_kp(H) > amx_kp(qs) ? amx_kp(H) : amx_kp(qs);
     actw = actw > amx_kp(I) ? actw : amx_kp(I);
     const long Tp = (T + 31) / 32 * 32; /* AMX reads whole 32-row blocks */
-    bf16 *act = scratch_alloc(sizeof(bf16) * (size_t)Tp * actw);
+    act = scratch_alloc(sizeof(bf16) * (size_t)Tp * actw);
     if (act) memset(act, 0, sizeof(bf16) * (size_t)Tp * actw);
-    float *qkv = scratch_alloc(sizeof(float) * (size_t)T * nqkv);
-    float *gu = scratch_alloc(sizeof(float) * (size_t)T * 2 * I);
+    qkv = scratch_alloc(sizeof(float) * (size_t)T * nqkv);
+    gu = scratch_alloc(sizeof(float) * (size_t)T * 2 * I);
     const int nthr = omp_get_max_threads();
-    float *att_scr = scratch_alloc(sizeof(float) * (size_t)nthr * (max_ctx + hd + 16));
+    att_scr = scratch_alloc(sizeof(float) * (size_t)nthr * (max_ctx + hd + 16));
     /* grouped attention tasks (see attend_group_hd): rows of one (sequence, kv
        head) go in chunks of tc tokens (about 48 query rows), so that prefill
        spreads over threads and the per-thread workspace stays bounded */
     const int tc = G >= 48 ? 1 : 48 / G;
     int n_tasks = 0;
     for (int b = 0; b < B; b++) n_tasks += (seq_info[3 * b + 1] + tc - 1) / tc * nkv;
-    int32_t *task_seq = scratch_alloc(sizeof(int32_t) * n_tasks), *task_chunk = scratch_alloc(sizeof(int32_t) * n_tasks);
+    task_seq = scratch_alloc(sizeof(int32_t) * n_tasks);
+    task_chunk = scratch_alloc(sizeof(int32_t) * n_tasks);
     n_tasks = 0;
     for (int b = 0; b < B && task_seq && task_chunk; b++)
         for (int c = 0; c < (seq_info[3 * b + 1] + tc - 1) / tc; c++)
@@ -637,18 +640,10 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
         ((size_t)max_rows * (2 * sizeof(void *) + 2 * sizeof(int)) + sizeof(long) * ctx_pad + 64 +
          sizeof(uint32_t) * (16 + max_rows + 4) * (hd / 2) + 64 + sizeof(float) * (size_t)(max_rows + 8) * ctx_pad +
          63) & ~(size_t)63;
-    char *att_ws = scratch_alloc(ws_bytes * nthr);
+    att_ws = scratch_alloc(ws_bytes * nthr);
     if (!act || !qkv || !gu || !att_scr || !att_ws || !task_seq || !task_chunk) {
-        free(tok_seq);
-        free(tok_pos);
-        free(act);
-        free(qkv);
-        free(gu);
-        free(att_scr);
-        free(att_ws);
-        free(task_seq);
-        free(task_chunk);
-        return -4;
+        rc = -4;
+        goto done;
     }
     float *x = out;
 
@@ -753,6 +748,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     }
     for (int t = 0; t < T; t++) rmsnorm_inplace(x + (long)t * H, m->final_norm, H, m->eps);
 
+done:
     free(tok_seq);
     free(tok_pos);
     free(act);
@@ -762,7 +758,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     free(att_ws);
     free(task_seq);
     free(task_chunk);
-    return 0;
+    return rc;
 }
 
 /* logits (N, V) fp32 = bf16(hidden) (N, H) @ lm_head^T. */
