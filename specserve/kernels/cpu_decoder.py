@@ -1,10 +1,12 @@
 """Build, load and call the fused CPU decoder (``cpu_decoder.c``).
 
 The C source is compiled once with the system C compiler into the specserve
-cache directory (keyed by a hash of the source, flags and compiler), then
-loaded with ctypes.  It needs an x86-64 CPU with AVX512-BF16; anywhere else
-(or with no compiler) ``load_library`` raises ``KernelUnavailable`` with the
-reason and the caller keeps the torch path.
+cache directory (the file name carries a hash of the source and flags; a
+library prebuilt next to the source, as container images ship it, is used
+first), then loaded with ctypes.  It needs an x86-64 CPU with AVX512-BF16 and
+uses AMX tiles where the CPU has them; anywhere else (or with no compiler)
+``load_library`` raises ``KernelUnavailable`` with the reason and the caller
+keeps the torch path.
 
 ``CpuDecoder`` wraps a bf16 ``LlamaModel`` and its ``KVCache``: ``forward``
 runs the whole decoder stack for a flattened ragged batch in one C call and
