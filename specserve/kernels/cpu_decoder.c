@@ -788,4 +788,11 @@ int ss_matmul(const bf16 *x, int M, const bf16 *W, const bf16 *Wp, int N, int K,
     return 0;
 }
 
-int ss_abi_version(void) { return 2; }
+/* OpenMP's thread count is per calling thread: the engine's step thread sets
+   it to torch's intra-op count before each call. */
+int ss_set_num_threads(int n) {
+    if (n > 0) omp_set_num_threads(n);
+    return omp_get_max_threads();
+}
+
+int ss_abi_version(void) { return 3; }

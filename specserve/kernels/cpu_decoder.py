@@ -31,7 +31,7 @@ from specserve.kernels.cpu_features import CFLAGS, SOURCE, cpu_flags, cpu_unsupp
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class KernelUnavailable(RuntimeError):
@@ -83,6 +83,7 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
         ("ss_pack_amx", [P, I32, I32, P], I32),
         ("ss_amx_packed_elems", [I32, I32], ctypes.c_long),
         ("ss_amx_init", [], I32),
+        ("ss_set_num_threads", [I32], I32),
     ]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -255,6 +256,7 @@ class CpuDecoder:
                 aux[i] = torch.empty(T, H, dtype=torch.float32)
                 arr[i] = aux[i].data_ptr()
             aux_ptrs = ctypes.addressof(arr)
+        self.lib.ss_set_num_threads(torch.get_num_threads())  # per calling thread in OpenMP
         rc = self.lib.ss_forward(
             ctypes.addressof(self._model), T, _ptr(ids), len(seqs), _ptr(info), _ptr(tables), width,
             _ptr(out), aux_ptrs,
@@ -270,6 +272,7 @@ class CpuDecoder:
         h = hidden.float().contiguous()
         N = h.shape[0]
         out = torch.empty(N, self.lm_head.shape[0], dtype=torch.float32)
+        self.lib.ss_set_num_threads(torch.get_num_threads())
         self.lib.ss_logits(ctypes.addressof(self._model), _ptr(h), N, _ptr(out))
         return out
 

@@ -349,3 +349,20 @@ def test_embedded_smollm2_bf16_on_the_fused_path(kcache):
     for i in range(n - 5, n):
         one = runner.forward([SeqInput([ids[i]], i, [0, 1], [0])]).logits[0]
         assert torch.equal(one, chunk[i - (n - 5)])
+
+
+def test_kernel_threads_follow_torch_in_any_calling_thread(lib):
+    """OpenMP keeps the thread count per calling thread: the engine's step thread
+    must still get torch's setting (engine.num_threads)."""
+    import threading
+
+    seen = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t = threading.Thread(target=lambda: seen.append(lib.ss_set_num_threads(torch.get_num_threads())))
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]
