@@ -16,3 +16,6 @@ $B +method=ngram bench.num_prompts=32 bench.max_tokens=128 model.dtype=bfloat16 
 # Batching: concurrency 8 against concurrency 1 (vanilla), same prompts.
 $B bench.num_prompts=32 bench.max_tokens=128 model.dtype=bfloat16 bench.concurrency=8 \
    'bench.baselines=[specserve_vanilla]' bench.output=results/bench-vanilla-c8-bf16.json
+# The target as its own draft in bfloat16 (fused CPU decoder for both): AL must be K+1.
+$B +method=draft_model draft=smollm2-135m bench.num_prompts=16 bench.max_tokens=128 model.dtype=bfloat16 \
+   bench.output=results/bench-draft-self-bf16.json
