@@ -159,17 +159,13 @@ def _run(argv: list[str] | None, body: Callable[[Config], int]) -> int:
 def _cap_onednn_isa(cfg: Config) -> None:
     """oneDNN reads ONEDNN_MAX_CPU_ISA once, when torch loads: set it before that."""
     isa = cfg.engine.onednn_max_cpu_isa
-    if isa == "auto":
-        isa = "AVX512_CORE_BF16" if not _fused_decoder_expected(cfg) else None
+    if isa == "auto":  # cap only where bf16 runs on torch's kernels
+        from specserve.kernels.cpu_features import fused_kernel_expected
+
+        isa = None if fused_kernel_expected(cfg.engine.cpu_kernel) else "AVX512_CORE_BF16"
     if isa and cfg.engine.device != "cuda" and "torch" not in sys.modules:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", isa)
 
-
-def _fused_decoder_expected(cfg: Config) -> bool:
-    """Will bf16 run on the fused CPU decoder? (asked before torch loads)"""
-    from specserve.kernels.cpu_features import fused_kernel_expected
-
-    return fused_kernel_expected(cfg.engine.cpu_kernel)
 
 
 def _serve(cfg: Config) -> int:

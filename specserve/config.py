@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from specserve.errors import ConfigError
 
+CPU_KERNELS = ("auto", "fused", "torch")  # engine.cpu_kernel
+
 METHODS = (
     "ngram",
     "draft_model",
@@ -282,8 +284,8 @@ def validate_config(cfg: Config) -> Config:
     _int("engine.max_num_batched_tokens", e.max_num_batched_tokens, 1)
     if e.num_threads is not None:
         _int("engine.num_threads", e.num_threads, 1)
-    if e.cpu_kernel not in ("auto", "fused", "torch"):
-        raise ConfigError("engine.cpu_kernel", f"{e.cpu_kernel!r} is not one of auto, fused, torch")
+    if e.cpu_kernel not in CPU_KERNELS:
+        raise ConfigError("engine.cpu_kernel", f"{e.cpu_kernel!r} is not one of {', '.join(CPU_KERNELS)}")
     if e.cpu_fused_max_tokens is not None:
         _int("engine.cpu_fused_max_tokens", e.cpu_fused_max_tokens, 1)
     srv = cfg.server

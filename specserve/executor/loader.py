@@ -22,6 +22,7 @@ import torch
 
 from specserve.errors import ModelLoadError
 from specserve.executor.models.llama import SUPPORTED_MODEL_TYPES, ArchConfig, LlamaModel, Rotary
+from specserve.kernels.cpu_features import fused_kernel_expected
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,6 @@ def resolve_dtype(name: str, device: torch.device, cpu_kernel: str = "auto") -> 
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        from specserve.kernels.cpu_features import fused_kernel_expected
-
         return torch.bfloat16 if fused_kernel_expected(cpu_kernel) else torch.float32
     if name == "float16" and device.type != "cuda":
         raise ModelLoadError("model.dtype=float16 is only supported on CUDA; use bfloat16 or float32 on CPU")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specserve.config import CPU_KERNELS
 from specserve.errors import ConfigError
 from specserve.executor.attention import AttentionMetadata, CausalGroup, build_padded_group
 from specserve.executor.kv_cache import KVCache
@@ -20,8 +21,6 @@ from specserve.executor.loader import LoadedModel, default_cache_dir
 from specserve.executor.models.llama import can_prepack
 
 log = logging.getLogger(__name__)
-
-CPU_KERNELS = ("auto", "fused", "torch")
 
 
 @dataclass

@@ -513,7 +513,7 @@ static inline __attribute__((always_inline)) void attend_group_hd(
         }
     }
     /* masked softmax numerators, per row */
-    float inv[R + RC];
+    float inv[R];
     for (int r = 0; r < R; r++) {
         float *sr = S + (long)r * nkp;
         const int a = lo[r] - jlo, b = hi[r] - jlo;
@@ -530,10 +530,6 @@ static inline __attribute__((always_inline)) void attend_group_hd(
             vsum = _mm512_add_ps(vsum, e);
         }
         inv[r] = 1.0f / _mm512_reduce_add_ps(vsum);
-    }
-    for (int r = R; r < R + RC; r++) {
-        memset(S + (long)r * nkp, 0, sizeof(float) * nkp);
-        inv[r] = 0.0f;
     }
     /* out_r = sum_n P[r][n] v_n / sum, RC rows at a time (the last block with as many as remain) */
     for (int r0 = 0; r0 < R; r0 += RC) {
@@ -619,15 +615,20 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     qkv = scratch_alloc(sizeof(float) * (size_t)T * nqkv);
     gu = scratch_alloc(sizeof(float) * (size_t)T * 2 * I);
     const int nthr = omp_get_max_threads();
-    att_scr = scratch_alloc(sizeof(float) * (size_t)nthr * (max_ctx + hd + 16));
-    /* grouped attention tasks (see attend_group_hd): rows of one (sequence, kv
-       head) go in chunks of tc tokens (about 48 query rows), so that prefill
-       spreads over threads and the per-thread workspace stays bounded */
+    /* grouped attention (attend_group_hd) for head_dim 64 / 128, else one task
+       per (token, head) with attend_one */
+    const int grouped = hd == 64 || hd == 128;
+    if (!grouped) att_scr = scratch_alloc(sizeof(float) * (size_t)nthr * (max_ctx + hd + 16));
+    /* grouped attention tasks: rows of one (sequence, kv head) go in chunks of
+       tc tokens (about 48 query rows), so that prefill spreads over threads and
+       the per-thread workspace stays bounded */
     const int tc = G >= 48 ? 1 : 48 / G;
     int n_tasks = 0;
-    for (int b = 0; b < B; b++) n_tasks += (seq_info[3 * b + 1] + tc - 1) / tc * nkv;
-    task_seq = scratch_alloc(sizeof(int32_t) * n_tasks);
-    task_chunk = scratch_alloc(sizeof(int32_t) * n_tasks);
+    for (int b = 0; b < B && grouped; b++) n_tasks += (seq_info[3 * b + 1] + tc - 1) / tc * nkv;
+    if (grouped) {
+        task_seq = scratch_alloc(sizeof(int32_t) * n_tasks);
+        task_chunk = scratch_alloc(sizeof(int32_t) * n_tasks);
+    }
     n_tasks = 0;
     for (int b = 0; b < B && task_seq && task_chunk; b++)
         for (int c = 0; c < (seq_info[3 * b + 1] + tc - 1) / tc; c++)
@@ -638,10 +639,10 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     const int max_rows = tc * G, ctx_pad = (max_ctx + 15) & ~15;
     const size_t ws_bytes =
         ((size_t)max_rows * (2 * sizeof(void *) + 2 * sizeof(int)) + sizeof(long) * ctx_pad + 64 +
-         sizeof(uint32_t) * (16 + max_rows + 4) * (hd / 2) + 64 + sizeof(float) * (size_t)(max_rows + 8) * ctx_pad +
-         63) & ~(size_t)63;
-    att_ws = scratch_alloc(ws_bytes * nthr);
-    if (!act || !qkv || !gu || !att_scr || !att_ws || !task_seq || !task_chunk) {
+         sizeof(uint32_t) * (16 + max_rows + 4) * (hd / 2) + 64 + sizeof(float) * (size_t)max_rows * ctx_pad + 63) &
+        ~(size_t)63;
+    if (grouped) att_ws = scratch_alloc(ws_bytes * nthr);
+    if (!act || !qkv || !gu || (grouped ? !att_ws || !task_seq || !task_chunk : !att_scr)) {
         rc = -4;
         goto done;
     }
@@ -676,7 +677,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
             f32_row_to_bf16(row + qs + kvs, L->vcache + slot * kvs, kvs);
         }
 
-        if (hd == 64 || hd == 128) {
+        if (grouped) {
             /* attention: one task per (sequence, kv head, chunk of up to tc tokens) */
 #pragma omp parallel for schedule(dynamic, 1)
             for (int task = 0; task < n_tasks; task++) {

@@ -244,9 +244,7 @@ class CpuDecoder:
         ids = torch.tensor(input_ids, dtype=torch.int64)
         info = torch.tensor(seqs, dtype=torch.int32)
         width = max(len(bt) for bt in block_tables)
-        tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-        for b, bt in enumerate(block_tables):
-            tables[b, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+        tables = torch.tensor([[*bt, *[0] * (width - len(bt))] for bt in block_tables], dtype=torch.int32)
         out = torch.empty(T, H, dtype=torch.float32)
         aux: dict[int, Tensor] = {}
         aux_ptrs = None

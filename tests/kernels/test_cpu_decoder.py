@@ -47,11 +47,11 @@ def _rel_err(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
-def _reference_fp32(path):
+def _reference_fp32(path, **kw):
     """transformers in float32 on the bf16-rounded weights: what bf16 weights compute exactly."""
     import transformers as tf
 
-    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
     with torch.no_grad():
         for p in ref.parameters():
             p.copy_(p.to(torch.bfloat16).float())
@@ -157,13 +157,7 @@ def test_fused_sliding_window_matches_reference(tmp_path, kcache, dims):
 
     path = make_tiny_model(tmp_path / "sw", "mistral", sliding_window=6, **dims)
     _, fused = _runner(path, "fused", fused_max_tokens=4, cache_dir=kcache)
-    ref = _reference_fp32(path)
-    import transformers as tf
-
-    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+    ref = _reference_fp32(path, attn_implementation="eager")
     ids = list(range(30, 50))
     with torch.no_grad():
         ref_l = ref(torch.tensor([ids])).logits[0]
