@@ -26,6 +26,7 @@ Overrides are Hydra overrides, for example:
 Groups: model, method (absent = plain decoding), draft, parallelism.
 --config-dir DIR  extra presets (same group layout), searched before the built-in ones
 --cfg             print the composed config and exit
+vLLM-style: `specserve serve MODEL --port 8000 --speculative-config JSON ...` (see `specserve serve --help`)
 """
 
 
@@ -211,6 +212,11 @@ def _bench(cfg: Config) -> int:
 
 
 def serve_main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # `specserve serve MODEL --flags`: the vLLM-compatible form
+        from specserve.serve_compat import serve_main as vllm_style_serve
+
+        return vllm_style_serve(argv[1:])
     return _run(argv, _serve)
 
 

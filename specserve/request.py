@@ -125,3 +125,22 @@ class RequestOutput:
     num_prompt_tokens: int
     spec: SpecDecodeStats
     error: str | None = None  # set when the engine failed this request (INTERNAL)
+
+
+def _vllm_keywords(init):
+    """Wrap the dataclass ``__init__``: vLLM-style keywords (``stop="x"``, ``None``
+    lists) are accepted, and any keyword this class lacks -- a vLLM one it does not
+    implement, or a made-up speculative knob such as ``speculative_sampling`` --
+    raises a one-line TypeError saying what to use instead (``specserve.compat``)."""
+
+    def __init__(self, *args, **kwargs):
+        from specserve.compat import sampling_params_kwargs
+
+        init(self, *args, **sampling_params_kwargs(SamplingParams, kwargs))
+
+    __init__.__wrapped__ = init
+    __init__.__qualname__ = init.__qualname__
+    return __init__
+
+
+SamplingParams.__init__ = _vllm_keywords(SamplingParams.__init__)

@@ -1,0 +1,479 @@
+"""The offline Python API, shaped like vLLM's: ``LLM``, ``AsyncLLM`` and their outputs.
+
+::
+
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(model="embedded:smollm2-135m-instruct",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    for out in llm.generate(["The future of AI is"], SamplingParams(temperature=0.8, top_p=0.95)):
+        print(out.prompt, out.outputs[0].text, out.spec_decode.mean_acceptance_length)
+
+``LLM(...)`` composes the same Hydra config as the ``specserve`` command line
+(its keywords become overrides: ``specserve.compat.engine_overrides``; the
+result is in ``llm.config``, the overrides in ``llm.hydra_overrides``), so a
+bad key fails with the command line's one-line ``ConfigError``.  Requests run
+on ``LLMEngine`` (continuous batching) with the tokenizer and chat template
+the servers use, so greedy output equals ``specserve-generate`` and the servers.
+
+Async: ``AsyncLLM`` streams (``async for out in llm.generate(prompt, params)``)
+from an engine thread; ``await LLM.agenerate(prompts, params)`` (a name from a
+popular how-to; vLLM itself has none) runs ``generate`` off the event loop and
+returns the final outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from specserve.compat import compose, engine_overrides
+from specserve.config import Config
+from specserve.errors import InvalidRequestError
+from specserve.request import RequestOutput, SamplingParams, SpecDecodeStats
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "GenerationOutput", "SamplingParams"]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput`` fields; always ``index`` 0 here).
+
+    ``finish_reason``: "stop" (EOS, a stop token or string), "length" (max_tokens /
+    max_model_len) or "abort"; None while a streamed request is still running.
+    ``new_text``/``new_token_ids``: what the latest streamed update added."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+    logprobs: None = None
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationOutput:
+    """A request's result (vLLM's ``RequestOutput`` shape) plus its speculative-decoding figures.
+
+    ``prompt`` is the text given (the rendered chat template for ``chat``; None
+    for a prompt given as token ids, as in vLLM)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    spec_decode: SpecDecodeStats
+
+    @property
+    def num_drafts(self) -> int:
+        return self.spec_decode.num_drafts
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.spec_decode.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.spec_decode.num_accepted_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per speculative step: 1 + accepted / drafts (1.0 without drafts)."""
+        return self.spec_decode.mean_acceptance_length
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens; None when nothing was proposed."""
+        s = self.spec_decode
+        return s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else None
+
+
+def _to_output(out: RequestOutput, prompt: str | None, prompt_ids: list[int]) -> GenerationOutput:
+    if out.error is not None:
+        raise RuntimeError(f"request {out.request_id} failed in the engine: {out.error}")
+    reason = out.finish_reason.value if out.finished and out.finish_reason is not None else None
+    completion = CompletionOutput(0, out.text, list(out.token_ids), reason,
+                                  new_text=out.new_text, new_token_ids=list(out.new_token_ids))
+    spec = SpecDecodeStats(out.spec.num_drafts, out.spec.num_draft_tokens, out.spec.num_accepted_tokens)
+    return GenerationOutput(out.request_id, prompt, list(prompt_ids), [completion], out.finished, spec)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _is_token_ids(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x
+    )
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """One prompt or a list of them -> a list.  A prompt is a string, a list of token
+    ids, or a dict with "prompt" or "prompt_token_ids" (vLLM's TextPrompt/TokensPrompt)."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise InvalidRequestError(
+        "prompts", f"must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
+    )
+
+
+def _params_list(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params):
+        if len(params) != n:
+            raise InvalidRequestError("sampling_params", f"got {len(params)} for {n} prompts; give one, or one per prompt")
+        return list(params)
+    raise InvalidRequestError("sampling_params", "must be a SamplingParams or a list of them (from specserve)")
+
+
+class _Prompts:
+    """Turns the accepted prompt forms into token ids with the engine's tokenizer."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def encode(self, prompt: Any, i: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError(f"prompts[{i}]", 'a dict prompt needs "prompt" or "prompt_token_ids"')
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError(f"prompts[{i}]", "must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if _is_token_ids(prompt):
+            return None, list(prompt)
+        raise InvalidRequestError(f"prompts[{i}]", f"must be a string or a list of token ids, got {prompt!r:.60}")
+
+    def chat(self, conversation: Any, i: int) -> tuple[str, list[int]]:
+        ids = self.tokenizer.apply_chat_template([dict(m) for m in conversation])
+        return self.tokenizer.decode(ids, skip_special_tokens=False), ids
+
+    def params_for(self, params: SamplingParams, n_prompt: int) -> SamplingParams:
+        """vLLM's ``max_tokens=None``: up to the model's length limit."""
+        if params.max_tokens is None:
+            return replace(params, max_tokens=max(1, self.max_model_len - n_prompt))
+        return params
+
+
+def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    """One conversation (a list of {role, content}) or a list of conversations."""
+    if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+        return [list(messages)]
+    if isinstance(messages, (list, tuple)) and messages and all(isinstance(c, (list, tuple)) for c in messages):
+        return [list(c) for c in messages]
+    raise InvalidRequestError("messages", "must be a conversation [{role, content}, ...] or a list of conversations")
+
+
+def _build(model: Any, speculative_config: Any, tensor_parallel_size: Any, dtype: Any, max_model_len: Any,
+           seed: Any, served_model_name: Any, hydra_overrides: Sequence[str], config_dir: Any,
+           options: dict[str, Any]) -> tuple[Config, list[str]]:  # fmt: skip
+    overrides, notes = engine_overrides(
+        model=model, speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
+        dtype=dtype, max_model_len=max_model_len, seed=seed, served_model_name=served_model_name,
+        where="LLM", **options,
+    )
+    for note in notes:
+        log.warning("%s", note)
+    if isinstance(hydra_overrides, str):
+        hydra_overrides = [hydra_overrides]
+    overrides += list(hydra_overrides)
+    cfg = compose(overrides, config_dir)
+    from specserve.cli import _cap_onednn_isa
+
+    _cap_onednn_isa(cfg)  # effective only if torch is not loaded yet
+    return cfg, overrides
+
+
+# --------------------------------------------------------------------------- LLM
+
+
+class LLM:
+    """An offline engine: ``generate``, ``chat`` (and ``agenerate``) over many prompts.
+
+    ``model``: a ``model`` preset (``smollm2-135m``), ``embedded:<name>``, a .gguf file or a
+    local HF directory (None: the default preset).  ``speculative_config``: vLLM's dict
+    (``{"method": "draft_model", "model": <draft>, "num_speculative_tokens": N}``,
+    ``{"method": "ngram", ...}``) or None for plain decoding.  ``tensor_parallel_size`` other
+    than 1 is refused by validation in this single-device build.  Other keywords: any
+    ``engine.*`` key (``max_num_seqs=8``, ``num_kv_blocks=512``, ``device="cpu"``, ...),
+    ``served_model_name``, ``hydra_overrides=["group.key=value", ...]`` for anything else,
+    ``config_dir`` for extra presets.  vLLM's ``gpu_memory_utilization``, ``enforce_eager``,
+    ``trust_remote_code`` are accepted and have no effect (a warning says so).
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        speculative_config: dict[str, Any] | str | None = None,
+        tensor_parallel_size: int = 1,
+        dtype: Any = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        *,
+        served_model_name: str | None = None,
+        hydra_overrides: Sequence[str] = (),
+        config_dir: Any = None,
+        **engine_options: Any,
+    ):
+        self.config, self.hydra_overrides = _build(
+            model, speculative_config, tensor_parallel_size, dtype, max_model_len, seed, served_model_name,
+            hydra_overrides, config_dir, engine_options,
+        )
+        from specserve.engine.engine import LLMEngine
+
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._prompts = _Prompts(self.tokenizer, self.engine.max_model_len)
+        self._lock = threading.Lock()  # the engine is single-threaded
+        self._ids = itertools.count()
+
+    @property
+    def info(self):
+        """Model name, method, K, max_model_len, dtype, device, lossless."""
+        return self.engine.info
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer (as vLLM's ``LLM.get_tokenizer``)."""
+        return self.tokenizer.hf
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+    ) -> list[GenerationOutput]:
+        """Run prompts to completion; outputs in prompt order.
+
+        ``prompts``: a string, a list of token ids, a dict with "prompt" or
+        "prompt_token_ids", or a list of those (no chat template: use ``chat``).
+        ``sampling_params``: one for all prompts, one per prompt, or None
+        (``SamplingParams()``: temperature 1, 16 tokens, as in vLLM)."""
+        items = _prompt_list(prompts)
+        encoded = [self._prompts.encode(p, i) for i, p in enumerate(items)]
+        return self._run(encoded, _params_list(sampling_params, len(items)), use_tqdm)
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+    ) -> list[GenerationOutput]:
+        """One conversation ``[{"role": ..., "content": ...}, ...]`` or a list of them,
+        rendered with the model's chat template (as the servers' chat endpoint does)."""
+        convs = _conversations(messages)
+        encoded = [self._prompts.chat(c, i) for i, c in enumerate(convs)]
+        return self._run(encoded, _params_list(sampling_params, len(convs)), use_tqdm)
+
+    async def agenerate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = False,
+    ) -> list[GenerationOutput]:
+        """``generate`` in a worker thread, awaitable without blocking the event loop.
+        For per-token streaming use ``AsyncLLM``."""
+        return await asyncio.to_thread(self.generate, prompts, sampling_params, use_tqdm=use_tqdm)
+
+    async def achat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = False,
+    ) -> list[GenerationOutput]:
+        return await asyncio.to_thread(self.chat, messages, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(
+        self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: Any
+    ) -> list[GenerationOutput]:
+        if not encoded:
+            return []
+        eng = self.engine
+        with self._lock:
+            base = f"llm-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+            ids = [f"{base}-{i}" for i in range(len(encoded))]
+            final: dict[str, RequestOutput] = {}
+            added: list[str] = []
+            bar = _progress(use_tqdm, len(ids))
+            try:
+                for rid, (_, prompt_ids), sp in zip(ids, encoded, params):
+                    eng.add_request(rid, prompt_ids, self._prompts.params_for(sp, len(prompt_ids)))
+                    added.append(rid)
+                n_out, start = 0, time.monotonic()
+                while len(final) < len(ids):
+                    if not eng.has_unfinished():
+                        raise RuntimeError("the engine stopped with requests unfinished")
+                    for out in eng.step():
+                        if out.finished:
+                            final[out.request_id] = out
+                            n_out += len(out.token_ids)
+                            if bar is not None:
+                                bar.set_postfix_str(f"output: {n_out / max(time.monotonic() - start, 1e-9):.1f} toks/s")
+                                bar.update(1)
+            except BaseException:
+                for rid in added:
+                    if rid not in final:
+                        eng.abort_request(rid)
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
+        return [_to_output(final[rid], text, prompt_ids) for rid, (text, prompt_ids) in zip(ids, encoded)]
+
+
+def _progress(use_tqdm: Any, total: int):
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- AsyncLLM
+
+
+class AsyncLLM:
+    """A streaming engine for asyncio code; the engine steps in a background thread.
+
+    ::
+
+        llm = AsyncLLM(model=..., speculative_config={...})
+        async for out in llm.generate("The future of AI is", SamplingParams(max_tokens=32)):
+            print(out.outputs[0].new_text, end="", flush=True)
+        outs = await llm.agenerate(["a", "b"], params)   # all at once, final outputs
+        llm.shutdown()
+
+    Same constructor as ``LLM``.  Requests are batched together in the engine;
+    leaving an ``async for`` early aborts that request.  ``max_queue`` bounds the
+    waiting queue (default: unbounded, for offline use).
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        speculative_config: dict[str, Any] | str | None = None,
+        tensor_parallel_size: int = 1,
+        dtype: Any = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        *,
+        served_model_name: str | None = None,
+        hydra_overrides: Sequence[str] = (),
+        config_dir: Any = None,
+        max_queue: int | None = None,
+        **engine_options: Any,
+    ):
+        self.config, self.hydra_overrides = _build(
+            model, speculative_config, tensor_parallel_size, dtype, max_model_len, seed, served_model_name,
+            hydra_overrides, config_dir, engine_options,
+        )
+        from specserve.engine.async_engine import AsyncEngine
+        from specserve.engine.engine import LLMEngine
+
+        core = LLMEngine(self.config)
+        self.engine = AsyncEngine(core, max_queue if max_queue is not None else sys.maxsize)
+        self.tokenizer = core.tokenizer
+        self._prompts = _Prompts(self.tokenizer, core.max_model_len)
+        self.engine.start()
+
+    @property
+    def info(self):
+        return self.engine.info
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer.hf
+
+    async def generate(
+        self, prompt: Any, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[GenerationOutput]:
+        """Stream one request: an output after every engine step that adds tokens,
+        cumulative (``outputs[0].text``) with the step's delta (``outputs[0].new_text``);
+        the last has ``finished`` True and the final ``spec_decode`` figures."""
+        text, ids = self._prompts.encode(prompt, 0)
+        async for out in self._stream(text, ids, sampling_params, request_id):
+            yield out
+
+    async def chat(
+        self, messages: Any, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[GenerationOutput]:
+        """Stream one chat conversation (the model's chat template applied)."""
+        convs = _conversations(messages)
+        if len(convs) != 1:
+            raise InvalidRequestError("messages", "AsyncLLM.chat streams one conversation [{role, content}, ...]")
+        text, ids = self._prompts.chat(convs[0], 0)
+        async for out in self._stream(text, ids, sampling_params, request_id):
+            yield out
+
+    async def agenerate(
+        self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationOutput]:
+        """All prompts at once (batched by the engine); final outputs in prompt order."""
+        items = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(items))
+        encoded = [self._prompts.encode(p, i) for i, p in enumerate(items)]
+        return list(await asyncio.gather(*(self._final(t, ids, sp) for (t, ids), sp in zip(encoded, params))))
+
+    async def _final(self, text: str | None, ids: list[int], params: SamplingParams) -> GenerationOutput:
+        last = None
+        async for out in self._stream(text, ids, params, None):
+            last = out
+        assert last is not None
+        return last
+
+    async def _stream(
+        self, text: str | None, ids: list[int], params: SamplingParams | None, request_id: str | None
+    ) -> AsyncIterator[GenerationOutput]:
+        params = self._prompts.params_for(params if params is not None else SamplingParams(), len(ids))
+        rid = request_id or f"async-{uuid.uuid4().hex}"
+        async for out in self.engine.generate(rid, ids, params):
+            yield _to_output(out, text, ids)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()
+

@@ -1,0 +1,204 @@
+"""``specserve serve MODEL [vLLM flags]``: the vLLM-compatible way to start the server.
+
+A thin translation into Hydra overrides (``--dry-run`` prints them and the
+composed config); the server then starts exactly as ``specserve <overrides>``
+would.  Hydra stays the primary interface: ``specserve +method=ngram`` is
+unchanged, and ``key=value`` arguments here are passed through as overrides.
+
+    specserve serve embedded:smollm2-135m-instruct --port 8000 --seed 42 -tp 1 \\
+        --max-model-len 2048 --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from typing import Any
+
+from specserve.compat import (
+    ENGINE_KEYS,
+    IGNORED_ENGINE_ARGS,
+    REMOVED_SPEC_KNOBS,
+    UnsupportedArgumentError,
+    override,
+    engine_overrides,
+)
+from specserve.errors import SpecServeError
+
+PROG = "specserve serve"
+
+# flag (vLLM spelling, underscores as dashes) -> where its value goes
+_ENGINE_FLAGS = {
+    "model": "model",
+    "speculative-config": "speculative_config",
+    "tensor-parallel-size": "tensor_parallel_size",
+    "dtype": "dtype",
+    "max-model-len": "max_model_len",
+    "seed": "seed",
+    "served-model-name": "served_model_name",
+    "kv-cache-memory-bytes": "kv_cache_memory_bytes",
+    "gpu-memory-utilization": "gpu_memory_utilization",
+    **{k.replace("_", "-"): k for k in ENGINE_KEYS},
+}
+_SERVER_FLAGS = {
+    "host": "server.host",
+    "port": "server.http_port",
+    "grpc-port": "server.grpc_port",
+    "api-key": "server.api_key",
+    "ssl-certfile": "server.tls_cert_file",
+    "ssl-keyfile": "server.tls_key_file",
+    "pipeline-parallel-size": "parallelism.pipeline_parallel_size",
+}
+_SHORT = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-h": "help"}
+_SWITCHES = {"dry-run", "help"} | {k.replace("_", "-") for k in IGNORED_ENGINE_ARGS if k != "gpu_memory_utilization"}
+_INT_FLAGS = {"tensor-parallel-size", "max-model-len", "seed", "port", "grpc-port", "pipeline-parallel-size"}
+
+USAGE = f"""usage: {PROG} [MODEL] [options] [key=value ...]
+
+The vLLM-compatible form of `specserve`: options become Hydra overrides
+(--dry-run prints them and the composed config, then exits).
+  MODEL / --model M            model preset, embedded:<name>, a .gguf file or an HF directory
+  --host H                     listen address (server.host)
+  --port P                     HTTP port, the OpenAI API (server.http_port; 0 = any free port)
+  --grpc-port P                gRPC port (server.grpc_port)
+  --seed N                     engine.seed
+  -tp, --tensor-parallel-size  parallelism.tensor_parallel_size (1 in this build)
+  --max-model-len N            model.max_model_len
+  --dtype D                    model.dtype: auto, float32, bfloat16, float16 (half, float)
+  --speculative-config JSON    e.g. '{{"method": "draft_model", "model": "<draft>", "num_speculative_tokens": 5}}'
+  --served-model-name NAME     the model id clients send (default: MODEL as given)
+  --api-key KEY                server.api_key;  --ssl-certfile/--ssl-keyfile: TLS
+  --{' / --'.join(k.replace('_', '-') for k in ENGINE_KEYS)}
+                               engine.* keys
+  --gpu-memory-utilization, --enforce-eager, --trust-remote-code: accepted, no effect
+  --dry-run                    print the translation and the composed config, then exit
+  key=value                    any Hydra override, applied last
+Underscore spellings (--max_model_len) work too; so does --flag=value.
+"""
+
+
+def _split(arg: str) -> tuple[str, str | None]:
+    """'--max_model_len=2048' -> ('max-model-len', '2048'); '-tp' -> ('tensor-parallel-size', None)."""
+    name, eq, value = arg.partition("=")
+    if name in _SHORT:
+        return _SHORT[name], (value if eq else None)
+    return name.lstrip("-").replace("_", "-"), (value if eq else None)
+
+
+def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
+    """Parse ``serve`` arguments -> (Hydra overrides, notes, dry_run).  Raises
+    UnsupportedArgumentError / ConfigError with one line."""
+    engine: dict[str, Any] = {}
+    server: list[str] = []
+    passthrough: list[str] = []
+    config_dir: list[str] = []
+    dry_run = False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("-") or arg == "-":
+            if "=" in arg:
+                passthrough.append(arg)
+            elif "model" not in engine:
+                engine["model"] = arg
+            else:
+                raise UnsupportedArgumentError("model", f"one model only; got {engine['model']!r} and {arg!r}")
+            continue
+        name, value = _split(arg)
+        key = name.replace("-", "_")
+        if key in REMOVED_SPEC_KNOBS:
+            raise UnsupportedArgumentError(key, _removed(key))
+        if name in _SWITCHES:
+            if value is not None:
+                raise UnsupportedArgumentError(key, f"--{name} takes no value")
+            if name == "help":
+                raise _Help()
+            if name == "dry-run":
+                dry_run = True
+            else:
+                engine[key] = True
+            continue
+        if name not in _ENGINE_FLAGS and name not in _SERVER_FLAGS and name != "config-dir":
+            raise UnsupportedArgumentError(
+                key, f"unknown option {arg.partition('=')[0]!r} (see `{PROG} --help`; other settings: key=value Hydra overrides)"
+            )
+        if value is None:
+            if i >= len(argv):
+                raise UnsupportedArgumentError(key, f"--{name} needs a value")
+            value = argv[i]
+            i += 1
+        if name == "config-dir":
+            config_dir = ["--config-dir", value]
+        elif name in _SERVER_FLAGS:
+            server.append(override(_SERVER_FLAGS[name], _typed(name, value)))
+        else:
+            engine[_ENGINE_FLAGS[name]] = _typed(name, value)
+    spec = engine.pop("speculative_config", None)
+    if spec is not None:
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise UnsupportedArgumentError("speculative_config", f"--speculative-config: not valid JSON ({e})") from None
+    overrides, notes = engine_overrides(speculative_config=spec, where="serve", **engine)
+    return config_dir + overrides + server + passthrough, notes, dry_run
+
+
+class _Help(Exception):
+    pass
+
+
+def _removed(key: str) -> str:
+    from specserve.compat import removed_knob_message
+
+    return removed_knob_message(key, "serve")
+
+
+def _typed(name: str, value: str) -> Any:
+    """Integers where vLLM's flag is an integer (so a typo fails naming the flag);
+    other values go to Hydra as text and are typed by the schema."""
+    if name in _INT_FLAGS:
+        try:
+            return int(value)
+        except ValueError:
+            raise UnsupportedArgumentError(name.replace("-", "_"), f"--{name} must be an integer, got {value!r}") from None
+    return value
+
+
+def serve_main(argv: list[str]) -> int:
+    """``specserve serve ...``: translate, then run the normal server path (or print, with --dry-run)."""
+    from specserve import cli
+
+    try:
+        overrides, notes, dry_run = translate(argv)
+    except _Help:
+        print(USAGE)
+        return 0
+    except SpecServeError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"{PROG}: note: {note}", file=sys.stderr)
+    hydra_form = "specserve " + shlex.join(overrides)
+    if dry_run:
+        return _dry_run(overrides, hydra_form)
+    print(f"{PROG}: running as: {hydra_form}", file=sys.stderr, flush=True)
+    return cli._run(overrides, cli._serve)
+
+
+def _dry_run(overrides: list[str], hydra_form: str) -> int:
+    from omegaconf import OmegaConf
+
+    from specserve.cli import UsageError, compose_config
+
+    print("# the Hydra command line this translates to:")
+    print(hydra_form)
+    try:
+        cfg = compose_config(overrides)
+    except (UsageError, SpecServeError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    print("# the composed, validated config:")
+    print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+    return 0
