@@ -64,12 +64,20 @@ def hydra_value(value: Any) -> str:
         value = os.fspath(value)
     if not isinstance(value, str):
         raise TypeError(f"cannot express {type(value).__name__} {value!r} as a Hydra override value")
-    if _PLAIN.fullmatch(value) and value.lower() not in _HYDRA_WORDS:
+    if _PLAIN.fullmatch(value) and value.lower() not in _HYDRA_WORDS and not _numeric(value):
         return value
     # Quoted: backslashes before a quote or at the end are doubled, quotes escaped,
     # and "${" escaped so OmegaConf does not read it as an interpolation.
     text = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
     return "'" + text.replace("'", "\\'").replace("${", "\\${") + "'"
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def override(key: str, value: Any) -> str:

@@ -53,6 +53,8 @@ _SERVER_FLAGS = {
 _SHORT = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-h": "help"}
 _SWITCHES = {"dry-run", "help"} | {k.replace("_", "-") for k in IGNORED_ENGINE_ARGS if k != "gpu_memory_utilization"}
 _INT_FLAGS = {"tensor-parallel-size", "max-model-len", "seed", "port", "grpc-port", "pipeline-parallel-size"}
+_TEXT_FLAGS = {"model", "served-model-name", "host", "api-key", "ssl-certfile", "ssl-keyfile", "speculative-config",
+               "dtype", "device", "cpu-kernel", "onednn-max-cpu-isa"}
 
 USAGE = f"""usage: {PROG} [MODEL] [options] [key=value ...]
 
@@ -125,7 +127,7 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
                 key, f"unknown option {arg.partition('=')[0]!r} (see `{PROG} --help`; other settings: key=value Hydra overrides)"
             )
         if value is None:
-            if i >= len(argv):
+            if i >= len(argv) or argv[i].startswith("--"):
                 raise UnsupportedArgumentError(key, f"--{name} needs a value")
             value = argv[i]
             i += 1
@@ -157,12 +159,18 @@ def _removed(key: str) -> str:
 
 def _typed(name: str, value: str) -> Any:
     """Integers where vLLM's flag is an integer (so a typo fails naming the flag);
-    other values go to Hydra as text and are typed by the schema."""
+    numbers as numbers, names and paths as text; the schema types the rest."""
     if name in _INT_FLAGS:
         try:
             return int(value)
         except ValueError:
             raise UnsupportedArgumentError(name.replace("-", "_"), f"--{name} must be an integer, got {value!r}") from None
+    if name not in _TEXT_FLAGS:
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
     return value
 
 

@@ -1,0 +1,206 @@
+"""``specserve serve MODEL [vLLM flags]`` (issue #9): a thin translation into Hydra overrides.
+
+The seed's serve command translates to the expected overrides (``--dry-run``
+prints them and the validated config); removed vLLM flags and unknown flags
+fail in one line; the real console script, started with the seed's command
+(model replaced, ports free), serves the seed's OpenAI client code unchanged
+and exits 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from tiny_models import make_tiny_model
+
+from specserve.cli import serve_main
+from specserve.serve_compat import translate
+
+pytestmark = pytest.mark.timeout(120)
+
+SEED_SPEC = '{"model": "DRAFT", "num_speculative_tokens": 5, "method": "draft_model"}'
+
+
+def seed_flags(draft: str, host: str = "0.0.0.0", port: str = "8000") -> list[str]:
+    """The seed's `vllm serve` flags (000_*.txt), draft model replaced."""
+    return ["--host", host, "--port", port, "--seed", "42", "-tp", "1", "--max_model_len", "2048",
+            "--gpu_memory_utilization", "0.8", "--speculative_config", SEED_SPEC.replace("DRAFT", draft)]  # fmt: skip
+
+
+def run_serve(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = serve_main(["serve", *argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_seed_command_translates_to_hydra_overrides():
+    overrides, notes, dry = translate(["/m/target", *seed_flags("/m/draft")])
+    assert overrides == [
+        "model.path=/m/target", "model.name=/m/target", "+method=draft_model", "method.model=/m/draft",
+        "method.num_speculative_tokens=5", "model.max_model_len=2048", "engine.seed=42",
+        "server.host=0.0.0.0", "server.http_port=8000",
+    ]  # fmt: skip
+    assert not dry and len(notes) == 1 and notes[0].startswith("--gpu-memory-utilization is accepted")
+
+
+def test_spellings_short_flags_and_passthrough_agree():
+    a, _, _ = translate(["--model", "embedded:smollm2-135m-instruct", "--max-model-len=512", "--tensor-parallel-size", "1",
+                         "--grpc-port", "0", "--max-num-seqs", "4", "--dtype", "half", "engine.num_threads=2"])  # fmt: skip
+    b, _, _ = translate(["smollm2-135m-instruct", "--max_model_len", "512", "-tp=1", "--grpc_port=0",
+                         "--max_num_seqs=4", "--dtype=float16", "engine.num_threads=2"])  # fmt: skip
+    assert a == b == [
+        "model.path=embedded:smollm2-135m-instruct", "model.name=smollm2-135m-instruct", "model.dtype=float16",
+        "model.max_model_len=512", "engine.max_num_seqs=4", "server.grpc_port=0", "engine.num_threads=2",
+    ]  # fmt: skip
+    assert translate(["smollm2-135m", "--speculative-config", '{"method": "ngram"}'])[0] == ["model=smollm2-135m", "+method=ngram"]
+
+
+def test_dry_run_prints_the_translation_and_the_validated_config(tiny_llama, tiny_draft):
+    rc, out, err = run_serve([str(tiny_llama), *seed_flags(str(tiny_draft)), "--max_model_len", "512", "--dry-run"])
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("#") and lines[1].startswith(f"specserve model.path={tiny_llama} ")
+    assert "+method=draft_model" in lines[1] and "server.http_port=8000" in lines[1]
+    cfg = yaml.safe_load("\n".join(lines[3:]))
+    assert cfg["method"]["model"] == str(tiny_draft) and cfg["method"]["num_speculative_tokens"] == 5
+    assert cfg["model"]["max_model_len"] == 512 and cfg["engine"]["seed"] == 42
+    assert cfg["server"]["http_port"] == 8000 and cfg["server"]["host"] == "0.0.0.0"
+    assert "gpu-memory-utilization" in err
+
+
+@pytest.mark.parametrize("flag", ["--speculative-model", "--speculative_model", "--num-speculative-tokens",
+                                  "--num_speculative_tokens", "--ngram-prompt-lookup-max"])  # fmt: skip
+def test_removed_vllm_flags_say_what_to_use_instead(flag):
+    rc, out, err = run_serve(["embedded:smollm2-135m-instruct", flag, "4", "--dry-run"])
+    assert rc == 2 and out == ""
+    line = err.strip()
+    assert "\n" not in line and line.startswith(f"specserve serve: error: {flag.replace('_', '-')} was removed from vLLM")
+    assert line.endswith(
+        "use --speculative-config '{\"method\": \"draft_model\", \"model\": \"<draft>\", \"num_speculative_tokens\": N}'"
+    )
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--swap-space", "4"], "unknown option '--swap-space'"),
+    (["--port", "http"], "--port must be an integer, got 'http'"),
+    (["--speculative-config", "{method: ngram}"], "--speculative-config: not valid JSON"),
+    (["--speculative-config", '{"method": "ngram", "bogus": 1}'], "method.bogus: Key 'bogus' not in"),
+    (["--speculative-config", '{"method": "ngram", "temperature": 0.7}'], "method.temperature: is not a valid key here"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "method.num_speculative_tokens: must be >= 1"),
+    (["-tp", "2"], "parallelism.tensor_parallel_size: 2 is not available in this build"),
+    (["--max-model-len"], "--max-model-len needs a value"),
+    (["--dry-run=yes"], "--dry-run takes no value"),
+    (["other-model"], "one model only"),
+])  # fmt: skip
+def test_bad_serve_arguments_are_one_line(argv, expected):
+    rc, _, err = run_serve(["embedded:smollm2-135m-instruct", *argv, "--dry-run"])
+    line = err.strip()
+    assert rc == 2 and "\n" not in line and line.startswith("specserve serve: error: ") and expected in line, line
+
+
+def test_help_and_the_hydra_form_unchanged(capsys):
+    assert serve_main(["serve", "--help"]) == 0
+    assert "--speculative-config JSON" in capsys.readouterr().out
+    assert serve_main(["+method=ngram", "--cfg"]) == 0  # Hydra stays the primary interface
+    assert "method: ngram" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- the real console script
+
+SEED_CLIENT = '''
+from openai import OpenAI
+
+# Modify OpenAI's API key and API base to use vLLM's API server.
+openai_api_key = "EMPTY"
+openai_api_base = "http://localhost:8000/v1"
+
+client = OpenAI(
+    # defaults to os.environ.get("OPENAI_API_KEY")
+    api_key=openai_api_key,
+    base_url=openai_api_base,
+)
+
+models = client.models.list()
+model = models.data[0].id
+
+# Completion API
+stream = False
+completion = client.completions.create(
+    model=model,
+    prompt="The future of AI is",
+    echo=False,
+    n=1,
+    stream=stream,
+)
+
+print("Completion results:")
+if stream:
+    for c in completion:
+        print(c)
+else:
+    print(completion)
+'''
+
+
+@pytest.fixture(scope="module")
+def long_models(tmp_path_factory) -> tuple[Path, Path]:
+    """Tiny target and draft with 2048 positions, so the seed's --max_model_len 2048 fits."""
+    root = tmp_path_factory.mktemp("tiny-2048")
+    target = make_tiny_model(root / "target", "llama", max_position_embeddings=2048)
+    draft = make_tiny_model(root / "draft", "llama", seed=7, num_hidden_layers=1, max_position_embeddings=2048)
+    return target, draft
+
+
+def _console_script() -> list[str]:
+    exe = Path(sys.executable).parent / "specserve"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "specserve"]
+
+
+def test_seed_serve_command_serves_the_seed_client(long_models, tmp_path):
+    target, draft = long_models
+    flags = seed_flags(str(draft), host="127.0.0.1", port="0") + ["--grpc-port", "0"]
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "SPECSERVE_API_KEY": "", "SPECSERVE_LOG_LEVEL": "INFO"}
+    with log.open("w") as f:
+        proc = subprocess.Popen([*_console_script(), "serve", str(target), *flags], stdout=f, stderr=subprocess.STDOUT,
+                                env=env)  # fmt: skip
+    try:
+        port = None
+        deadline = time.monotonic() + 90
+        while port is None and time.monotonic() < deadline and proc.poll() is None:
+            m = re.search(r"HTTP on http://127\.0\.0\.1:(\d+)", log.read_text())
+            port = m and int(m.group(1))
+            time.sleep(0.2)
+        assert port, log.read_text()[-2000:]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(SEED_CLIENT.replace("localhost:8000", f"localhost:{port}"), {})
+        printed = out.getvalue()
+        assert printed.startswith("Completion results:\nCompletion(") and f"model='{target}'" in printed
+        assert "spec_decode" in printed and "text='" in printed
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    text = log.read_text()
+    assert rc == 0, text[-2000:]
+    assert "specserve serve: running as: specserve model.path=" in text and "servers stopped" in text
+
+
+def test_python_dash_m_specserve_serve_dry_run(tiny_llama):
+    r = subprocess.run([sys.executable, "-m", "specserve", "serve", str(tiny_llama), "--speculative-config",
+                        json.dumps({"method": "ngram", "num_speculative_tokens": 3}), "--dry-run"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "+method=ngram method.num_speculative_tokens=3" in r.stdout
