@@ -391,3 +391,28 @@ def test_import_specserve_stays_light():
     code = ("import sys, specserve; from specserve import SamplingParams; SamplingParams(stop='x'); "
             "assert 'torch' not in sys.modules and 'specserve.llm' not in sys.modules, sorted(sys.modules)")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------- the embedded model (slow)
+
+EXAMPLE = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "offline_inference.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_offline_example_on_the_embedded_model(method):
+    r = subprocess.run([sys.executable, str(EXAMPLE), method], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.match(r"Prompt: 'The future of AI is', Generated text: '.+'\n", r.stdout), r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_embedded_greedy_equals_specserve_generate(capsys):
+    llm = LLM(model="embedded:smollm2-135m-instruct", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    ours = texts(llm.generate(["The future of AI is"], greedy(24), use_tqdm=False))
+    rc = generate_main(["+method=ngram", "method.num_speculative_tokens=4", "generate.prompts=['The future of AI is']",
+                        "generate.chat=false", "generate.max_tokens=24"])  # fmt: skip
+    assert rc == 0
+    assert ours == re.findall(r"### prompt: [^\n]*\n(.*?)\n\[finish_reason=", capsys.readouterr().out, re.S)

@@ -1,0 +1,51 @@
+"""vLLM's OpenAI client code (docs seed 000), unchanged, against `specserve serve`.
+
+Start the server with the seed's command line, model names replaced:
+
+    specserve serve embedded:smollm2-135m-instruct \
+        --host 0.0.0.0 \
+        --port 8000 \
+        --seed 42 \
+        -tp 1 \
+        --max_model_len 2048 \
+        --gpu_memory_utilization 0.8 \
+        --speculative_config '{"model": "embedded:smollm2-135m-instruct", "num_speculative_tokens": 5, "method": "draft_model"}'
+
+(`--dry-run` prints the Hydra command line this becomes.)  Then:
+
+    python examples/openai_client.py
+
+The response carries specserve's `spec_decode` figures next to the OpenAI fields.
+"""
+
+from openai import OpenAI
+
+# Modify OpenAI's API key and API base to use vLLM's API server.
+openai_api_key = "EMPTY"
+openai_api_base = "http://localhost:8000/v1"
+
+client = OpenAI(
+    # defaults to os.environ.get("OPENAI_API_KEY")
+    api_key=openai_api_key,
+    base_url=openai_api_base,
+)
+
+models = client.models.list()
+model = models.data[0].id
+
+# Completion API
+stream = False
+completion = client.completions.create(
+    model=model,
+    prompt="The future of AI is",
+    echo=False,
+    n=1,
+    stream=stream,
+)
+
+print("Completion results:")
+if stream:
+    for c in completion:
+        print(c)
+else:
+    print(completion)
