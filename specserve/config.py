@@ -117,6 +117,15 @@ class ServerConfig:
     tls_key_file: Optional[str] = None
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
+    # Worker threads that tokenize prompts and apply chat templates off the event loop.
+    tokenizer_threads: int = 2
+    # HTTP: a connection with no request in progress (idle keep-alive, or a request
+    # head still incomplete) is closed idle_timeout_s after it connected or after its
+    # last response; a request body must arrive within body_timeout_s of its head.
+    # gRPC: connections without calls are closed after idle_timeout_s, the TLS/HTTP2
+    # handshake must finish within it, and keepalive pings find half-open connections.
+    idle_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
 
 
 @dataclass
@@ -299,6 +308,11 @@ def validate_config(cfg: Config) -> Config:
     _int("server.default_max_tokens", srv.default_max_tokens, 1)
     if not srv.drain_timeout_s >= 0:
         raise ConfigError("server.drain_timeout_s", "must be >= 0")
+    _int("server.tokenizer_threads", srv.tokenizer_threads, 1)
+    for key in ("idle_timeout_s", "body_timeout_s"):
+        value = getattr(srv, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"server.{key}", f"must be a number of seconds > 0, got {value!r}")
     if bool(srv.tls_cert_file) != bool(srv.tls_key_file):
         raise ConfigError("server.tls_cert_file", "TLS needs both server.tls_cert_file and server.tls_key_file")
     b = cfg.bench

@@ -41,3 +41,8 @@ class QueueFullError(SpecServeError):
 
 class EngineDrainingError(SpecServeError):
     """The server is draining for shutdown and takes no new requests (gRPC UNAVAILABLE, HTTP 503)."""
+
+
+class RequestFailedError(SpecServeError):
+    """Handling one request failed (not the forward): that request ends with this error
+    (gRPC INTERNAL, HTTP 500, reason ``request_failed``); the engine keeps serving."""

@@ -8,6 +8,16 @@ from dataclasses import dataclass, field
 from specserve.errors import InvalidRequestError
 
 
+# Temperatures below this are greedy (argmax), as in vLLM: dividing logits by a
+# denormal temperature would overflow to inf and turn the softmax into NaN.
+GREEDY_EPS = 1e-5
+MAX_TEMPERATURE = 2.0
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
@@ -18,8 +28,14 @@ class FinishReason(str, enum.Enum):
 class SamplingParams:
     """Per-request sampling controls (the names OpenAI and vLLM users know).
 
-    ``temperature == 0`` means greedy.  ``top_k == 0`` (or -1) disables top-k,
-    ``top_p == 1`` disables nucleus sampling, ``min_p == 0`` disables min-p.
+    Ranges (checked by ``validate``, the same on every front end):
+    ``temperature`` in [0, 2] (OpenAI's range); values below ``GREEDY_EPS``
+    (0 included) mean greedy, as in vLLM.  ``top_k`` -1 or 0 = off, else
+    1 .. the vocabulary size (the engine checks the upper bound).  ``top_p`` in
+    (0, 1] (1 = off), ``min_p`` in [0, 1] (0 = off).  ``seed`` any 64-bit
+    integer, signed or unsigned: [-2**63, 2**64 - 1].  ``max_tokens`` >= 1 (and
+    <= the server's cap).  At most ``MAX_STOP_STRINGS`` stop strings of at most
+    ``MAX_STOP_STRING_CHARS`` characters, at most ``MAX_STOP_TOKEN_IDS`` stop ids.
     """
 
     temperature: float = 1.0
@@ -34,19 +50,21 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPS
 
-    def validate(self, max_tokens_cap: int | None = None) -> "SamplingParams":
+    def validate(self, max_tokens_cap: int | None = None, vocab_size: int | None = None) -> "SamplingParams":
         """Raise InvalidRequestError naming the first bad field; return self."""
         _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequestError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise InvalidRequestError("top_k", f"must be -1, 0 (off) or > 0, got {self.top_k}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise InvalidRequestError("top_k", f"must be <= the vocabulary size ({vocab_size}), or -1/0 for off; got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
         _check_number("min_p", self.min_p)
@@ -61,17 +79,40 @@ class SamplingParams:
             )
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise InvalidRequestError("seed", f"must be a 64-bit integer in [-2**63, 2**64 - 1], got {self.seed}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise InvalidRequestError("stop", "must be a list of strings")
-        if any(s == "" for s in self.stop):
-            raise InvalidRequestError("stop", "stop strings must not be empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if s == "":
+                raise InvalidRequestError("stop", "stop strings must not be empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError("stop", f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters")
+            check_text("stop", s)
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise InvalidRequestError("stop_token_ids", "must be a list of non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"every id must be < the vocabulary size ({vocab_size})")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", "must be a boolean")
         return self
+
+
+def check_text(name: str, value: str) -> None:
+    """Refuse text that cannot be encoded as UTF-8 (a lone surrogate such as "\\ud800",
+    which JSON can carry): tokenizers and the wire would fail on it later."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            name, f"is not valid Unicode text (a lone surrogate at character {exc.start})"
+        ) from None
 
 
 def _check_number(name: str, value: object) -> None:
@@ -124,7 +165,10 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     spec: SpecDecodeStats
-    error: str | None = None  # set when the engine failed this request (INTERNAL)
+    error: str | None = None  # set when the engine itself failed (INTERNAL; the engine is dead)
+    # Set when handling this one request failed (bad input found late -> InvalidRequestError,
+    # anything else -> RequestFailedError); the engine keeps serving the others.
+    failure: Exception | None = None
 
 
 def _vllm_keywords(init):

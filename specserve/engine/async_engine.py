@@ -4,9 +4,18 @@ callers on any asyncio loop get per-request async streams.
 Adds and aborts are queued to the engine thread and applied between steps, so
 the engine itself stays single-threaded.  A consumer that stops iterating
 (client gone, task cancelled, deadline) aborts its request; the engine frees
-its KV blocks at the start of the next step.  If a step raises, the engine is
-marked unhealthy and every in-flight request gets a final output with
-``error`` set: nothing hangs.
+its KV blocks at the start of the next step.
+
+Request ids: the caller's id is unique among requests in flight HERE; inside
+the engine each request runs under an internal id (caller id + a counter), so
+the caller's id is free again the moment its stream ends, even while the
+engine has not yet processed the abort.
+
+Failures: a failure while handling ONE request (admission, sampling,
+detokenization) ends that request's stream with its error and the engine
+carries on; only a failing step (the forward) marks the engine unhealthy, and
+then every in-flight request gets a final output with ``error`` set: nothing
+hangs.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from specserve.errors import (
     EngineDrainingError,
     InvalidRequestError,
     QueueFullError,
+    RequestFailedError,
     SpecServeError,
 )
 from specserve.request import FinishReason, RequestOutput, SamplingParams, SpecDecodeStats
@@ -59,7 +69,9 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # internal id -> stream
+        self._active: dict[str, str] = {}  # caller's id -> internal id, while its stream is open
+        self._counter = 0
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ facade
@@ -94,37 +106,45 @@ class AsyncEngine:
             raise EngineDrainingError("the server is shutting down")
         if not self.healthy:
             raise EngineDeadError(f"the engine has failed: {self.failure}")
-        params.validate()
         with self._cv:
-            if request_id in self._streams:
+            if request_id in self._active:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-            self.engine.validate_request(request_id, prompt_token_ids, params)
+            self._counter += 1
+            internal = f"{request_id}#{self._counter}"
+            self.engine.validate_request(internal, prompt_token_ids, params)
             if self.num_waiting >= self.max_queue:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
             stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
-            self._streams[request_id] = stream
-            self._adds.append((request_id, list(prompt_token_ids), params))
+            self._streams[internal] = stream
+            self._active[request_id] = internal
+            self._adds.append((internal, list(prompt_token_ids), params))
             self._cv.notify()
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine has already dropped the request
                     raise item
                 finished = item.finished
-                yield item
+                yield _as_caller(item, request_id)
                 if finished:
                     return
         finally:
-            if not finished:
-                self.abort(request_id)
             with self._cv:
-                self._streams.pop(request_id, None)
+                if not finished:
+                    self._aborts.append(internal)
+                    self._cv.notify()
+                self._streams.pop(internal, None)
+                self._active.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
+        """Abort the caller's request ``request_id`` (no-op if it is not in flight)."""
         with self._cv:
-            self._aborts.append(request_id)
-            self._cv.notify()
+            internal = self._active.get(request_id)
+            if internal is not None:
+                self._aborts.append(internal)
+                self._cv.notify()
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, let in-flight ones finish for up to `timeout_s`,
@@ -133,8 +153,9 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout_s
         while self._streams and time.monotonic() < deadline and self.healthy:
             await asyncio.sleep(0.01)
-        for rid in list(self._streams):
-            self.abort(rid)
+        with self._cv:
+            self._aborts.extend(self._streams)
+            self._cv.notify()
         end = time.monotonic() + 5.0
         while self._streams and time.monotonic() < end:
             await asyncio.sleep(0.01)
@@ -163,6 +184,9 @@ class AsyncEngine:
                         eng.add_request(rid, ids, params)
                     except SpecServeError as e:
                         self._deliver_error(rid, e)
+                    except Exception as e:  # add_request wraps its own failures; a backstop
+                        log.exception("admitting %s failed", rid)
+                        self._deliver_error(rid, RequestFailedError(f"admitting the request failed: {e}"))
                 for rid in aborts:
                     out = eng.abort_request(rid)
                     if out is not None:
@@ -182,7 +206,7 @@ class AsyncEngine:
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is not None:
-            stream.put(out)
+            stream.put(out.failure if out.failure is not None else out)
 
     def _deliver_error(self, rid: str, e: BaseException) -> None:
         stream = self._streams.get(rid)
@@ -206,6 +230,11 @@ class AsyncEngine:
                     spec=SpecDecodeStats(), error=message,
                 )
             )
+
+
+def _as_caller(out: RequestOutput, request_id: str) -> RequestOutput:
+    out.request_id = request_id  # the engine's internal id never leaves this module
+    return out
 
 
 def build_async_engine(cfg: Config) -> AsyncEngine:

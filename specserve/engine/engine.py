@@ -23,7 +23,7 @@ from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.engine.stats import RequestFinishedStats, RequestStepStats, StatsListener, StepStats
 from specserve.engine.tokenizer import Tokenizer
-from specserve.errors import InvalidRequestError
+from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model, resolve_device
 from specserve.executor.runner import ModelRunner, SeqInput
@@ -45,6 +45,14 @@ class ModelInfo:
     dtype: str
     device: str
     lossless: bool
+
+
+@dataclass
+class _Stage:
+    """An exception raised while handling one request, and what the engine was doing."""
+
+    stage: str
+    exc: Exception
 
 
 @dataclass
@@ -118,6 +126,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         V = self.target.arch.vocab_size
+        params.validate(vocab_size=V)
         if any((not isinstance(t, int)) or t < 0 or t >= V for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"every token id must be an integer in [0, {V})")
         n = len(prompt_token_ids)
@@ -137,15 +146,39 @@ class LLMEngine:
             )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
+        """Admit a request.  Bad input raises InvalidRequestError; any other failure while
+        admitting raises RequestFailedError.  Either way nothing of the request remains."""
         self.validate_request(request_id, prompt_token_ids, params)
-        seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params)
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.target.device).manual_seed(params.seed)
-        stop = list(params.stop)
-        self.requests[request_id] = _ReqState(seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, stop), gen)
-        self.scheduler.add(seq)
+        try:
+            seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params)
+            gen = self._seeded_generator(params)
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, list(params.stop))
+            self.requests[request_id] = _ReqState(seq, detok, gen)
+            self.scheduler.add(seq)
+        except SpecServeError:
+            self.requests.pop(request_id, None)
+            raise
+        except Exception as e:
+            self.requests.pop(request_id, None)
+            log.exception("admitting request %s failed", request_id)
+            raise RequestFailedError(f"admitting the request failed: {type(e).__name__}: {e}") from e
+
+    def _seeded_generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        return torch.Generator(device=self.target.device).manual_seed(params.seed)
+
+    def _fail_request(self, st: _ReqState, stage: str, exc: Exception) -> RequestOutput:
+        """End one request because handling it failed; its neighbours carry on."""
+        if isinstance(exc, SpecServeError):
+            failure: Exception = exc
+        else:
+            log.error("request %s failed while %s", st.seq.request_id, stage, exc_info=exc)
+            failure = RequestFailedError(f"the request failed while {stage}: {type(exc).__name__}: {exc}")
+        self._finish(st, FinishReason.ABORT)
+        out = self._output(st, [], "")
+        out.failure = failure
+        return out
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         st = self.requests.get(request_id)
@@ -184,10 +217,10 @@ class LLMEngine:
             new = seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d
             offsets = list(range(s.num_new_tokens - 1, len(new))) if s.sample else []
             inputs.append(SeqInput(new, seq.num_computed, seq.block_table, offsets))
-        fwd = self.runner.forward(inputs)
+        fwd = self.runner.forward(inputs)  # the only failure that may take the engine down
         sampled = [s for s in sched.scheduled if s.sample]
-        emitted, accepted = self._verify(sampled, drafts, sched.scheduled, fwd)
-        return self._commit(sched.scheduled, drafts, emitted, accepted)
+        results = self._verify(sampled, drafts, sched.scheduled, fwd)
+        return self._commit(sched.scheduled, drafts, results)
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in scheduled]
@@ -201,10 +234,38 @@ class LLMEngine:
             drafts[i] = list(toks[: scheduled[i].draft_room])
         return drafts
 
-    def _verify(self, sampled, drafts_all, scheduled, fwd):
-        """Returns per sampled seq: emitted tokens, number of accepted drafts."""
-        if not sampled:
-            return [], []
+    def _verify(self, sampled, drafts_all, scheduled, fwd) -> list[tuple[list[int], int] | Exception]:
+        """Per sampled seq: (emitted tokens, number of accepted drafts), or the exception
+        that failed that request alone.  A batch that fails is verified request by request
+        to find whose it was."""
+        results: list[tuple[list[int], int] | Exception | None] = [None] * len(sampled)
+        rows: dict[int, tuple[float, int, float, float]] = {}
+        for i, s in enumerate(sampled):
+            try:
+                rows[i] = self._sampling_row(s.seq.params)
+            except Exception as e:
+                results[i] = _Stage("building its sampling tensors", e)
+        ok = [i for i in range(len(sampled)) if results[i] is None]
+        if ok:
+            try:
+                batch = self._verify_batch([sampled[i] for i in ok], [rows[i] for i in ok], drafts_all, scheduled, fwd)
+                for i, r in zip(ok, batch):
+                    results[i] = r
+            except Exception:
+                log.exception("verification of a batch failed; verifying its requests one by one")
+                for i in ok:
+                    try:
+                        results[i] = self._verify_batch([sampled[i]], [rows[i]], drafts_all, scheduled, fwd)[0]
+                    except Exception as e:
+                        results[i] = _Stage("sampling", e)
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _sampling_row(p: SamplingParams) -> tuple[float, int, float, float]:
+        """One request's sampling parameters as the numbers the sampler tensors hold."""
+        return float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p)
+
+    def _verify_batch(self, sampled, sample_rows, drafts_all, scheduled, fwd) -> list[tuple[list[int], int]]:
         pos = {id(s): i for i, s in enumerate(scheduled)}
         drafts = [drafts_all[pos[id(s)]] for s in sampled]
         rows = [fwd.row_offsets[pos[id(s)]] for s in sampled]
@@ -227,10 +288,9 @@ class LLMEngine:
             target_argmax = fwd.logits.argmax(dim=-1)[row_idx]  # (B, K+1)
             out = rejection_sample_greedy(target_argmax, draft_ids, num_drafts)
         else:
-            st = SamplingTensors.build(
-                [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
-                [p.min_p for p in params], dev,
-            ).repeat_interleave(K + 1)  # one row per verified position
+            temps, top_ks, top_ps, min_ps = zip(*sample_rows)
+            st = SamplingTensors.build(temps, top_ks, top_ps, min_ps, dev).repeat_interleave(K + 1)
+            # (one row per verified position)
             V = fwd.logits.shape[-1]
             logits = fwd.logits[row_idx].view(B * (K + 1), V)
             probs = logits_to_probs(logits, st).view(B, K + 1, V)
@@ -242,9 +302,9 @@ class LLMEngine:
             )
         n_acc = out.num_accepted.tolist()
         toks = out.output_token_ids.tolist()
-        return [t[: a + 1] for t, a in zip(toks, n_acc)], n_acc
+        return [(t[: a + 1], a) for t, a in zip(toks, n_acc)]
 
-    def _commit(self, scheduled, drafts, emitted, accepted) -> list[RequestOutput]:
+    def _commit(self, scheduled, drafts, results) -> list[RequestOutput]:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         req_stats: list[RequestStepStats] = []
@@ -258,20 +318,33 @@ class LLMEngine:
             if not s.sample:
                 self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens)
                 continue
-            toks, a = emitted[j], accepted[j]
+            result = results[j]
             j += 1
-            if self.proposer is not None:
-                self.proposer.on_verified(seq, before, len(d), a)
-            # K/V is valid for the fed tokens up to the pending one plus accepted drafts.
-            self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens + a)
-            new_ids, reason = self._append_tokens(seq, toks)
+            if isinstance(result, _Stage):
+                outputs.append(self._fail_request(st, result.stage, result.exc))
+                continue
+            toks, a = result
+            stage = "updating its draft state"
+            try:
+                if self.proposer is not None:
+                    self.proposer.on_verified(seq, before, len(d), a)
+                # K/V is valid for the fed tokens up to the pending one plus accepted drafts.
+                self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens + a)
+                stage = "matching its stop tokens"
+                new_ids, reason = self._append_tokens(seq, toks)
+                stage = "detokenizing its output"
+                delta, stopped = st.detok.append(new_ids)
+                if stopped and reason is None:
+                    reason = FinishReason.STOP
+                if reason is not None:
+                    delta += st.detok.append([], final=True)[0]
+            except Exception as e:
+                outputs.append(self._fail_request(st, stage, e))
+                continue
             if d:
                 seq.spec.num_drafts += 1
                 seq.spec.num_draft_tokens += len(d)
                 seq.spec.num_accepted_tokens += a
-            delta, stopped = st.detok.append(new_ids)
-            if stopped and reason is None:
-                reason = FinishReason.STOP
             ttft = itl = None
             if new_ids:
                 if seq.first_token_time is None:
@@ -289,8 +362,6 @@ class LLMEngine:
                 )
             )
             if reason is not None:
-                tail, _ = st.detok.append([], final=True)
-                delta += tail
                 self._finish(st, reason)
             outputs.append(self._output(st, new_ids, delta))
         self._emit_step(StepStats(

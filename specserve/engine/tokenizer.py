@@ -15,6 +15,17 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.eos_token_ids = eos_token_ids
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token covers: the longest vocabulary
+        entry.  (Byte-level vocabularies spell each byte as one character, so this
+        bounds bytes too.)  A text of n characters is at least n / this many tokens,
+        which lets a server refuse a prompt that is too long before tokenizing it."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1) or 1
+        return self._max_token_chars
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text, add_special_tokens=True)["input_ids"])

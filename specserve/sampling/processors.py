@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specserve.request import GREEDY_EPS
+
 __all__ = ["SamplingTensors", "draw_uniforms", "logits_to_probs", "sample_from_probs"]
 
 
@@ -25,11 +27,11 @@ __all__ = ["SamplingTensors", "draw_uniforms", "logits_to_probs", "sample_from_p
 class SamplingTensors:
     """Per-row sampling parameters as device tensors, plus flags for the hot path."""
 
-    temperature: Tensor  # [N] float32; 0 = greedy
+    temperature: Tensor  # [N] float32; < GREEDY_EPS (0 included) = greedy
     top_k: Tensor  # [N] int64; 0 = off
     top_p: Tensor  # [N] float32; 1.0 = off
     min_p: Tensor  # [N] float32; 0.0 = off
-    greedy: Tensor  # [N] bool; temperature == 0
+    greedy: Tensor  # [N] bool; temperature < GREEDY_EPS
     all_greedy: bool
     any_greedy: bool
     any_top_k: bool
@@ -72,7 +74,7 @@ class SamplingTensors:
         if any(not 0.0 <= m <= 1.0 for m in mps):
             raise ValueError(f"min_ps: must be in [0, 1], got {mps}")
         ks = [max(k, 0) for k in ks]
-        greedy = [t == 0.0 for t in temps]
+        greedy = [t < GREEDY_EPS for t in temps]
         sampled = [not g for g in greedy]
         # Filters on greedy rows are moot (they become one-hot), so they do not set the flags.
         return cls(
@@ -128,7 +130,9 @@ def logits_to_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
         return _one_hot_argmax(logits)
 
     temp = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature)  # [N]
-    scaled = logits / temp[:, None]  # [N, V]
+    # Shift by the row maximum first: the largest scaled logit is then exactly 0, so a
+    # small temperature sends the others towards -inf without overflowing to NaN.
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temp[:, None]  # [N, V]
 
     if st.any_top_k or st.any_top_p:
         sorted_vals, sorted_idx = scaled.sort(dim=-1, descending=True)  # [N, V] each

@@ -44,12 +44,20 @@ class ApiKeyChecker:
     def enabled(self) -> bool:
         return self._key is not None
 
-    def check(self, authorization: str | None) -> None:
-        """Raise UnauthenticatedError unless ``authorization`` is ``Bearer <key>``."""
+    def check(self, authorization: str | bytes | None) -> None:
+        """Raise UnauthenticatedError unless ``authorization`` is ``Bearer <key>``.
+
+        Compared as bytes (HTTP passes the raw header; gRPC metadata is text), in
+        constant time; a value that is not valid text is simply a wrong key."""
         if self._key is None:
             return
         if not authorization:
             raise UnauthenticatedError("missing API key: send the header 'authorization: Bearer <key>'")
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+        if isinstance(authorization, str):
+            try:
+                authorization = authorization.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                raise UnauthenticatedError("invalid API key") from None
+        scheme, _, token = authorization.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
             raise UnauthenticatedError("invalid API key")

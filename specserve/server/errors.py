@@ -12,6 +12,7 @@ UnauthenticatedError   UNAUTHENTICATED      401   authentication_error       inv
 QueueFullError         RESOURCE_EXHAUSTED   429   rate_limit_error           queue_full
 EngineDrainingError    UNAVAILABLE          503   service_unavailable_error  server_draining
 DeadlineExceededError  DEADLINE_EXCEEDED    504   timeout_error              deadline_exceeded
+RequestFailedError     INTERNAL             500   internal_error             request_failed
 EngineDeadError        INTERNAL             500   internal_error             engine_dead
 anything else          INTERNAL             500   internal_error             internal_error
 =====================  ===================  ====  =========================  =====================
@@ -28,6 +29,7 @@ from specserve.errors import (
     EngineDrainingError,
     InvalidRequestError,
     QueueFullError,
+    RequestFailedError,
     SpecServeError,
 )
 
@@ -69,6 +71,9 @@ UNAUTHENTICATED = ErrorKind(
 QUEUE_FULL = ErrorKind("queue_full", grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "queue_full")
 DRAINING = ErrorKind("draining", grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error", "server_draining")
 DEADLINE = ErrorKind("deadline_exceeded", grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error", "deadline_exceeded")
+REQUEST_FAILED = ErrorKind(
+    "request_failed", grpc.StatusCode.INTERNAL, 500, "internal_error", "request_failed"
+)
 ENGINE_DEAD = ErrorKind("engine_dead", grpc.StatusCode.INTERNAL, 500, "internal_error", "engine_dead")
 INTERNAL = ErrorKind("internal", grpc.StatusCode.INTERNAL, 500, "internal_error", "internal_error")
 
@@ -80,6 +85,7 @@ _TABLE: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (QueueFullError, QUEUE_FULL),
     (EngineDrainingError, DRAINING),
     (DeadlineExceededError, DEADLINE),
+    (RequestFailedError, REQUEST_FAILED),
     (EngineDeadError, ENGINE_DEAD),
 )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 from specserve.config import ServerConfig
 from specserve.errors import EngineDeadError, EngineDrainingError, InvalidRequestError, QueueFullError
 from specserve.metrics import SpecServeMetrics
-from specserve.request import RequestOutput, SamplingParams
+from specserve.request import RequestOutput, SamplingParams, check_text
 from specserve.server.errors import EngineRequestError, UnknownModelError, classify
 
 log = logging.getLogger("specserve.server")
@@ -102,6 +103,43 @@ class Frontend:
         self._failed: set[str] = set()  # ids whose handler was cancelled by fail_stuck_requests
         self._idle = asyncio.Event()
         self._idle.set()
+        # Tokenizing and chat templating run here, never on the event loop both
+        # servers share: a huge prompt must not stall other requests or health probes.
+        self._pool = ThreadPoolExecutor(max_workers=cfg.tokenizer_threads, thread_name_prefix="specserve-tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run slow per-request work (tokenizing, JSON parsing) in the worker pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def check_length_bound(self, field: str, num_chars: int) -> None:
+        """Refuse at once text whose character count alone proves it longer than the
+        context (no tokenizer call): at least num_chars / max_token_chars tokens."""
+        per_token = getattr(self.engine.tokenizer, "max_token_chars", None)
+        limit = self.engine.info.max_model_len
+        if per_token and num_chars > limit * per_token:
+            raise InvalidRequestError(
+                field,
+                f"is {num_chars} characters: at least {num_chars // per_token} tokens, beyond the model's "
+                f"max_model_len ({limit})",
+            )
+
+    async def tokenize_prompt_async(self, prompt: str) -> list[int]:
+        check_text("prompt", prompt)
+        self.check_length_bound("prompt", len(prompt))
+        return await self.run_off_loop(self.tokenize_prompt, prompt)
+
+    async def tokenize_messages_async(self, messages: list[dict[str, str]]) -> list[int]:
+        chars = 0
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                check_text(f"messages[{i}].content", content)
+                chars += len(content)
+        self.check_length_bound("messages", chars)
+        return await self.run_off_loop(self.tokenize_messages, messages)
 
     # ------------------------------------------------------------------ input
 
@@ -122,10 +160,17 @@ class Frontend:
         return ids
 
     def check_token_ids(self, ids: Any, field: str = "prompt_token_ids") -> list[int]:
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, list):
             raise InvalidRequestError(field, "must be a list of integer token ids")
         if not ids:
             raise InvalidRequestError(field, "must not be empty")
+        limit = self.engine.info.max_model_len
+        if len(ids) >= limit:  # before looking at millions of ids (named as the engine names it)
+            raise InvalidRequestError(
+                "prompt", f"is {len(ids)} tokens; the model's max_model_len is {limit} (room for output needed)"
+            )
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError(field, "must be a list of integer token ids")
         if any(t < 0 for t in ids):
             raise InvalidRequestError(field, "token ids must be >= 0")
         return ids

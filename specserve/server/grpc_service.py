@@ -96,16 +96,17 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
     def __init__(self, frontend: Frontend):
         self.fe = frontend
 
-    def _prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
+    async def _prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
         fe = self.fe
         fe.check_model(request.model)
         which = request.WhichOneof("input")
         if which == "prompt":
-            ids = fe.tokenize_prompt(request.prompt)
+            ids = await fe.tokenize_prompt_async(request.prompt)
         elif which == "prompt_token_ids":
             ids = fe.check_token_ids(list(request.prompt_token_ids.ids))
         elif which == "messages":
-            ids = fe.tokenize_messages([{"role": m.role, "content": m.content} for m in request.messages.messages])
+            msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            ids = await fe.tokenize_messages_async(msgs)
         else:
             raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
         params = fe.make_params(sampling_fields(request.sampling_params))
@@ -122,7 +123,7 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         try:
-            req = self._prepare(request)
+            req = await self._prepare(request)
             last: RequestOutput | None = None
             async with _deadline(context):
                 async with aclosing(self.fe.stream(req)) as outputs:
@@ -136,7 +137,7 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
-            req = self._prepare(request)
+            req = await self._prepare(request)
             async with _deadline(context):
                 async with aclosing(self.fe.stream(req)) as outputs:
                     async for out in outputs:
@@ -221,11 +222,19 @@ async def start_grpc_server(
     host: str,
     port: int,
     tls: tuple[bytes, bytes] | None,
+    idle_timeout_s: float = 30.0,
 ) -> tuple[grpc.aio.Server, int]:
     """Build, bind and start the server; return it with the bound port."""
     interceptors = [_AuthInterceptor(checker, frontend)] if checker.enabled else []
-    # so_reuseport=0: a second server on the same port must fail, not share it silently.
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    idle_ms = max(1, int(idle_timeout_s * 1000))
+    options = [
+        ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it silently
+        ("grpc.max_connection_idle_ms", idle_ms),  # close connections that have no calls
+        ("grpc.server_handshake_timeout_ms", idle_ms),  # ... and ones that never finish the handshake
+        ("grpc.keepalive_time_ms", idle_ms),  # ping clients of long calls: finds half-open connections
+        ("grpc.keepalive_timeout_ms", min(idle_ms, 20_000)),
+    ]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     pb_grpc.add_SpecServeServicer_to_server(SpecServeServicer(frontend), server)
     health_pb2_grpc.add_HealthServicer_to_server(grpc_health.servicer, server)
     reflection.enable_server_reflection(

@@ -16,6 +16,7 @@ aborts the request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -36,6 +37,7 @@ from specserve.server.frontend import Frontend, PreparedRequest, SamplingFields
 log = logging.getLogger("specserve.server.http")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+INLINE_JSON_BYTES = 64 * 1024
 
 # OpenAI fields this server does not implement: accepted only at their no-op values.
 _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -63,12 +65,24 @@ def _json_error(exc: BaseException) -> web.Response:
     return web.json_response(body, status=status)
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+def _parse_json(raw: bytes) -> Any:
     try:
-        body = json.loads(raw)
+        return json.loads(raw)
+    except RecursionError:
+        raise InvalidRequestError("body", "is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequestError("body", f"is not valid JSON: {exc}") from None
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    fe = request.app[FRONTEND_KEY]
+    try:
+        async with asyncio.timeout(fe.cfg.body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise InvalidRequestError("body", f"was not received within {fe.cfg.body_timeout_s:g} s") from None
+    # Parsing megabytes of JSON takes a while: small bodies inline, big ones off the loop.
+    body = _parse_json(raw) if len(raw) < INLINE_JSON_BYTES else await fe.run_off_loop(_parse_json, raw)
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {type(body).__name__}")
     return body
@@ -132,17 +146,17 @@ def _params(fe: Frontend, body: dict[str, Any]):
         raise
 
 
-def _completion_prompt(fe: Frontend, body: dict[str, Any]) -> list[int]:
+async def _completion_prompt(fe: Frontend, body: dict[str, Any]) -> list[int]:
     if "prompt" not in body or body["prompt"] is None:
         raise InvalidRequestError("prompt", "is required")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        return fe.tokenize_prompt(prompt)
+        return await fe.tokenize_prompt_async(prompt)
     if isinstance(prompt, list):
         if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return fe.check_token_ids(prompt, field="prompt")
         if len(prompt) == 1:  # a batch of one: ["text"] or [[ids]]
-            return _completion_prompt(fe, {"prompt": prompt[0]})
+            return await _completion_prompt(fe, {"prompt": prompt[0]})
         if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise InvalidRequestError("prompt", f"only one prompt per request is supported, got {len(prompt)}")
         if not prompt:
@@ -308,7 +322,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     fe.check_model(body.get("model"))
     stream, include_usage = _common_checks(body)
-    ids = _completion_prompt(fe, body)
+    ids = await _completion_prompt(fe, body)
     params = _params(fe, body)
     shape = _Shape(False, f"cmpl-{uuid.uuid4().hex}", fe.model_name)
     req = fe.prepare(shape.id, ids, params)
@@ -320,7 +334,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     fe.check_model(body.get("model"))
     stream, include_usage = _common_checks(body)
-    ids = fe.tokenize_messages(_chat_messages(body))
+    ids = await fe.tokenize_messages_async(_chat_messages(body))
     params = _params(fe, body)
     shape = _Shape(True, f"chatcmpl-{uuid.uuid4().hex}", fe.model_name)
     req = fe.prepare(shape.id, ids, params)
@@ -377,7 +391,7 @@ def _error_middleware(checker: ApiKeyChecker):
         fe = request.app[FRONTEND_KEY]
         try:
             if request.path not in OPEN_HTTP_PATHS:
-                checker.check(request.headers.get("Authorization"))
+                checker.check(_raw_header(request, b"authorization"))
             return await handler(request)
         except web.HTTPException as exc:  # routing errors (404, 405, 413): OpenAI-style bodies too
             if exc.status < 400:
@@ -395,6 +409,15 @@ def _error_middleware(checker: ApiKeyChecker):
             return _json_error(exc)
 
     return middleware
+
+
+def _raw_header(request: web.Request, name: bytes) -> bytes | None:
+    """A header's value as the client sent its bytes (auth compares bytes: a non-UTF-8
+    byte in the header is a wrong key, never a decoding error)."""
+    for key, value in request.raw_headers:
+        if key.lower() == name:
+            return value
+    return None
 
 
 async def _close_when_draining(request: web.Request, response: web.StreamResponse) -> None:

@@ -127,7 +127,7 @@ class SpecServeServers:
         self.health.watch(lambda serving: self._spawn(grpc_health.set(serving)))
         try:
             self._grpc, self.grpc_port = await start_grpc_server(
-                self.frontend, grpc_health, checker, cfg.host, cfg.grpc_port, tls
+                self.frontend, grpc_health, checker, cfg.host, cfg.grpc_port, tls, cfg.idle_timeout_s
             )
             sock = _bind(cfg.host, cfg.http_port)
             self.http_port = sock.getsockname()[1]
@@ -135,6 +135,9 @@ class SpecServeServers:
                 build_http_app(self.frontend, checker),
                 handler_cancellation=True,  # a disconnect cancels the handler -> abort
                 shutdown_timeout=HANDLER_GRACE_S,
+                # aiohttp arms this timer at connect and after each response: it closes
+                # idle keep-alive connections and ones that never finish a request head.
+                keepalive_timeout=cfg.idle_timeout_s,
                 access_log=logging.getLogger("specserve.server.access"),
             )
             await self._runner.setup()
@@ -186,6 +189,8 @@ class SpecServeServers:
             await self._grpc.stop(grace_s)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.frontend is not None:
+            self.frontend.close()
         for task in list(self._tasks):
             task.cancel()
         log.info("servers stopped")
