@@ -115,7 +115,9 @@ def model_overrides(model: Any, served_model_name: Any = None) -> list[str]:
     if model is not None:
         m = os.fspath(model) if isinstance(model, os.PathLike) else model
         if not isinstance(m, str) or not m:
-            raise ConfigError("model.path", f"must name a local model directory, a .gguf file or embedded:<name>; got {model!r}")
+            raise ConfigError(
+                "model.path", f"must name a local model directory, a .gguf file or embedded:<name>; got {model!r}"
+            )
         if m in _presets("model"):
             out.append(f"model={m}")
         elif (name := _embedded_name(m)) is not None:
@@ -236,11 +238,13 @@ def removed_knob_message(key: str, where: str) -> str:
     if where == "serve":
         flag = "--" + key.replace("_", "-")
         origin = "does not exist (nor in vLLM)" if made_up else "was removed from vLLM and is not an option here"
-        return f"{flag} {origin} ({_knob_role(key, '--speculative-config')}): use --speculative-config {SPEC_CONFIG_JSON_EXAMPLE}"
+        role = _knob_role(key, "--speculative-config")
+        return f"{flag} {origin} ({role}): use --speculative-config {SPEC_CONFIG_JSON_EXAMPLE}"
     fix = f"LLM(model=..., speculative_config={SPEC_CONFIG_EXAMPLE})"
     if where == "SamplingParams":
+        role = _knob_role(key, "speculative_config").replace("speculative decoding is", "it is")
         return (f"SamplingParams({key}=...) does not exist (nor in vLLM): speculative decoding is set on the engine, "
-                f"not per request; {_knob_role(key, 'speculative_config').replace('speculative decoding is', 'it is')}: {fix}")
+                f"not per request; {role}: {fix}")
     origin = "nor in vLLM" if made_up else "vLLM removed it"
     return f"{where}({key}=...) is not an option ({origin}): {_knob_role(key, 'speculative_config')}: {fix}"
 

@@ -142,7 +142,9 @@ def _params_list(params: Any, n: int) -> list[SamplingParams]:
         return [params] * n
     if isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params):
         if len(params) != n:
-            raise InvalidRequestError("sampling_params", f"got {len(params)} for {n} prompts; give one, or one per prompt")
+            raise InvalidRequestError(
+                "sampling_params", f"got {len(params)} for {n} prompts; give one, or one per prompt"
+            )
         return list(params)
     raise InvalidRequestError("sampling_params", "must be a SamplingParams or a list of them (from specserve)")
 

@@ -124,7 +124,9 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
             continue
         if name not in _ENGINE_FLAGS and name not in _SERVER_FLAGS and name != "config-dir":
             raise UnsupportedArgumentError(
-                key, f"unknown option {arg.partition('=')[0]!r} (see `{PROG} --help`; other settings: key=value Hydra overrides)"
+                key,
+                f"unknown option {arg.partition('=')[0]!r} (see `{PROG} --help`; "
+                "other settings: key=value Hydra overrides)",
             )
         if value is None:
             if i >= len(argv) or argv[i].startswith("--"):
@@ -142,7 +144,9 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
         try:
             spec = json.loads(spec)
         except ValueError as e:
-            raise UnsupportedArgumentError("speculative_config", f"--speculative-config: not valid JSON ({e})") from None
+            raise UnsupportedArgumentError(
+                "speculative_config", f"--speculative-config: not valid JSON ({e})"
+            ) from None
     overrides, notes = engine_overrides(speculative_config=spec, where="serve", **engine)
     return config_dir + overrides + server + passthrough, notes, dry_run
 
@@ -164,7 +168,9 @@ def _typed(name: str, value: str) -> Any:
         try:
             return int(value)
         except ValueError:
-            raise UnsupportedArgumentError(name.replace("-", "_"), f"--{name} must be an integer, got {value!r}") from None
+            raise UnsupportedArgumentError(
+                name.replace("-", "_"), f"--{name} must be an integer, got {value!r}"
+            ) from None
     if name not in _TEXT_FLAGS:
         for kind in (int, float):
             try:
