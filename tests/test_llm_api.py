@@ -182,7 +182,8 @@ def _cli_error(overrides: list[str]) -> str:
     ({"method": "ngram", "tensor_parallel_size": 2}, ["+method=ngram", "method.tensor_parallel_size=2"]),
     ({"method": "ngram", "k": 2}, ["+method=ngram", "method.k=2"]),
     ({"method": "nope"}, ["+method=nope"]),
-    ({"method": "eagle3", "model": "/x"}, ["+method=eagle3", "method.model=/x"]),
+    ({"method": "ngram", "prompt_lookup_min": 6, "prompt_lookup_max": 3},
+     ["+method=ngram", "method.prompt_lookup_min=6", "method.prompt_lookup_max=3"]),
     ({"method": "draft_model"}, ["+method=draft_model"]),
     ({"method": "ngram", "rejection_sample_method": "typical"}, ["+method=ngram", "method.rejection_sample_method=typical"]),
 ])  # fmt: skip
