@@ -199,6 +199,10 @@ class GrpcClient:
                 messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="hi")]),
                 sampling_params=pb.SamplingParams(max_tokens=4),
             ),
+            # The adversarial probe's inputs (issue #8): each must be INVALID_ARGUMENT and harmless.
+            pb.GenerateRequest(prompt="hello", sampling_params=pb.SamplingParams(temperature=1.0, top_k=2**31 - 1)),
+            pb.GenerateRequest(prompt="hello", sampling_params=pb.SamplingParams(temperature=float("inf"))),
+            pb.GenerateRequest(prompt="hello " * 500_000, sampling_params=pb.SamplingParams(max_tokens=4)),
         ]
         return bad[i % len(bad)]
 
@@ -265,6 +269,14 @@ class HttpClient:
             json.dumps({"prompt": "hello", "temperature": -1}).encode(),
             json.dumps({"prompt": "hello", "n": 2}).encode(),
             json.dumps({"prompt": ["a", "b"]}).encode(),
+            # The adversarial probe's inputs (issue #8): each must be 400 and harmless.
+            b'{"prompt": "hello", "max_tokens": 4, "seed": 18446744073709551616}',
+            b'{"prompt": "hello", "max_tokens": 4, "seed": -9223372036854775809}',
+            b'{"prompt": "hello", "max_tokens": 4, "temperature": 1, "top_k": 9223372036854775808}',
+            b'{"prompt": "hello", "max_tokens": 4, "temperature": Infinity}',
+            b'{"prompt": "hello \\ud800", "max_tokens": 4}',
+            b"[" * 100_000 + b"]" * 100_000,
+            json.dumps({"prompt": "hello " * 400_000, "max_tokens": 4}).encode(),
         ]
         return bad[i % len(bad)]
 
