@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from specserve.config import Config
 from specserve.engine.engine import LLMEngine
+from specserve.engine.output import OutputProcessor
 from specserve.engine.stats import StatsListener
 from specserve.errors import (
     EngineDeadError,
@@ -59,6 +60,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue: int):
         self.engine = engine
+        engine.detokenize = False  # each stream detokenizes in its consumer's thread (generate)
         self.info = engine.info
         self.tokenizer = engine.tokenizer
         self.max_queue = max_queue
@@ -68,7 +70,7 @@ class AsyncEngine:
         self._stop = False
         self._cv = threading.Condition()
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
-        self._aborts: list[str] = []
+        self._aborts: list[tuple[str, FinishReason]] = []
         self._streams: dict[str, _Stream] = {}  # internal id -> stream
         self._active: dict[str, str] = {}  # caller's id -> internal id, while its stream is open
         self._counter = 0
@@ -119,21 +121,33 @@ class AsyncEngine:
             self._active[request_id] = internal
             self._adds.append((internal, list(prompt_token_ids), params))
             self._cv.notify()
+        proc = OutputProcessor(self.tokenizer, prompt_token_ids, params)
         finished = False
+        end_reason = FinishReason.ABORT  # how the engine request ends if the stream closes early
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine has already dropped the request
                     raise item
-                finished = item.finished
-                yield _as_caller(item, request_id)
-                if finished:
+                try:
+                    out, stop = proc.process(item)
+                except Exception as e:  # detokenizing or stop matching failed: this request only
+                    log.exception("output processing of %s failed", request_id)
+                    raise RequestFailedError(
+                        f"the request failed while detokenizing its output: {type(e).__name__}: {e}"
+                    ) from e
+                if stop:  # a stop string: the engine must stop generating (reason stop)
+                    end_reason = FinishReason.STOP
+                finished = item.finished and not stop
+                out.request_id = request_id  # the engine's internal id never leaves this module
+                yield out
+                if out.finished:
                     return
         finally:
             with self._cv:
                 if not finished:
-                    self._aborts.append(internal)
+                    self._aborts.append((internal, end_reason))
                     self._cv.notify()
                 self._streams.pop(internal, None)
                 self._active.pop(request_id, None)
@@ -143,7 +157,7 @@ class AsyncEngine:
         with self._cv:
             internal = self._active.get(request_id)
             if internal is not None:
-                self._aborts.append(internal)
+                self._aborts.append((internal, FinishReason.ABORT))
                 self._cv.notify()
 
     async def drain(self, timeout_s: float) -> None:
@@ -154,7 +168,7 @@ class AsyncEngine:
         while self._streams and time.monotonic() < deadline and self.healthy:
             await asyncio.sleep(0.01)
         with self._cv:
-            self._aborts.extend(self._streams)
+            self._aborts.extend((rid, FinishReason.ABORT) for rid in self._streams)
             self._cv.notify()
         end = time.monotonic() + 5.0
         while self._streams and time.monotonic() < end:
@@ -187,8 +201,8 @@ class AsyncEngine:
                     except Exception as e:  # add_request wraps its own failures; a backstop
                         log.exception("admitting %s failed", rid)
                         self._deliver_error(rid, RequestFailedError(f"admitting the request failed: {e}"))
-                for rid in aborts:
-                    out = eng.abort_request(rid)
+                for rid, reason in aborts:
+                    out = eng.abort_request(rid, reason)
                     if out is not None:
                         self._deliver(out)
                 for out in eng.step():
@@ -230,11 +244,6 @@ class AsyncEngine:
                     spec=SpecDecodeStats(), error=message,
                 )
             )
-
-
-def _as_caller(out: RequestOutput, request_id: str) -> RequestOutput:
-    out.request_id = request_id  # the engine's internal id never leaves this module
-    return out
 
 
 def build_async_engine(cfg: Config) -> AsyncEngine:

@@ -4,7 +4,12 @@ Each ``step()``: schedule; propose up to K drafts for every decoding request;
 run ONE target forward over prefill chunks, pending tokens and drafts of all
 requests; turn logits into target distributions with each request's sampling
 params; verify (rejection sampling); commit accepted tokens and roll back the
-rest; detokenise; emit per-request outputs and metric events.
+rest; emit per-request token deltas and metric events.
+
+Detokenisation and stop strings (``specserve.engine.output``) run where the
+caller wants them: after each step here when ``detokenize`` is True (offline
+use), or in the consumer of each request's stream (``AsyncEngine`` turns it off
+so the engine thread only runs the model).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import Config
-from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.output import OutputProcessor
 from specserve.engine.kv_blocks import BlockManager
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.sequence import Sequence, Status
@@ -58,7 +63,7 @@ class _Stage:
 @dataclass
 class _ReqState:
     seq: Sequence
-    detok: IncrementalDetokenizer
+    proc: OutputProcessor | None  # None when the caller detokenizes (AsyncEngine)
     generator: torch.Generator | None
 
 
@@ -107,6 +112,7 @@ class LLMEngine:
         self.generator = torch.Generator(device=target.device).manual_seed(e.seed)
         self.requests: dict[str, _ReqState] = {}
         self.listeners: list[StatsListener] = []
+        self.detokenize = True  # AsyncEngine turns this off and detokenizes per stream
         self.info = ModelInfo(
             model_name=cfg.model.name,
             method=spec.method if spec is not None else "none",
@@ -152,8 +158,8 @@ class LLMEngine:
         try:
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params)
             gen = self._seeded_generator(params)
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, list(params.stop))
-            self.requests[request_id] = _ReqState(seq, detok, gen)
+            proc = OutputProcessor(self.tokenizer, seq.prompt_token_ids, params) if self.detokenize else None
+            self.requests[request_id] = _ReqState(seq, proc, gen)
             self.scheduler.add(seq)
         except SpecServeError:
             self.requests.pop(request_id, None)
@@ -176,16 +182,21 @@ class LLMEngine:
             log.error("request %s failed while %s", st.seq.request_id, stage, exc_info=exc)
             failure = RequestFailedError(f"the request failed while {stage}: {type(exc).__name__}: {exc}")
         self._finish(st, FinishReason.ABORT)
-        out = self._output(st, [], "")
+        out = self._output(st, [])
         out.failure = failure
         return out
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
+        """Finish a request now (``reason``: abort, or stop when the caller's output
+        processing found a stop string); its KV blocks are freed.  None if unknown."""
         st = self.requests.get(request_id)
         if st is None:
             return None
-        self._finish(st, FinishReason.ABORT)
-        return self._output(st, [], "")
+        self._finish(st, reason)
+        out = self._output(st, [])
+        if st.proc is not None:
+            out = st.proc.process(out)[0]
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -324,6 +335,10 @@ class LLMEngine:
                 outputs.append(self._fail_request(st, result.stage, result.exc))
                 continue
             toks, a = result
+            if d:
+                seq.spec.num_drafts += 1
+                seq.spec.num_draft_tokens += len(d)
+                seq.spec.num_accepted_tokens += a
             stage = "updating its draft state"
             try:
                 if self.proposer is not None:
@@ -332,19 +347,17 @@ class LLMEngine:
                 self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens + a)
                 stage = "matching its stop tokens"
                 new_ids, reason = self._append_tokens(seq, toks)
-                stage = "detokenizing its output"
-                delta, stopped = st.detok.append(new_ids)
-                if stopped and reason is None:
-                    reason = FinishReason.STOP
                 if reason is not None:
-                    delta += st.detok.append([], final=True)[0]
+                    self._finish(st, reason)
+                out = self._output(st, new_ids)
+                if st.proc is not None:
+                    stage = "detokenizing its output"
+                    out, stop = st.proc.process(out)
+                    if stop:  # a stop string: finish it with the output just built
+                        self._finish(st, FinishReason.STOP)
             except Exception as e:
                 outputs.append(self._fail_request(st, stage, e))
                 continue
-            if d:
-                seq.spec.num_drafts += 1
-                seq.spec.num_draft_tokens += len(d)
-                seq.spec.num_accepted_tokens += a
             ttft = itl = None
             if new_ids:
                 if seq.first_token_time is None:
@@ -361,9 +374,7 @@ class LLMEngine:
                     time_to_first_token_s=ttft, inter_token_latency_s=itl,
                 )
             )
-            if reason is not None:
-                self._finish(st, reason)
-            outputs.append(self._output(st, new_ids, delta))
+            outputs.append(out)
         self._emit_step(StepStats(
             num_running=self.num_running, num_waiting=self.num_waiting, kv_cache_usage=self.blocks.usage,
             num_prompt_tokens=n_prompt, num_generation_tokens=n_gen, requests=req_stats,
@@ -387,6 +398,8 @@ class LLMEngine:
 
     def _finish(self, st: _ReqState, reason: FinishReason) -> None:
         seq = st.seq
+        if seq.finished:
+            return
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.scheduler.remove(seq)
@@ -402,11 +415,12 @@ class LLMEngine:
         for listener in self.listeners:
             listener.on_request_finished(fin)
 
-    def _output(self, st: _ReqState, new_ids: list[int], delta: str) -> RequestOutput:
+    def _output(self, st: _ReqState, new_ids: list[int]) -> RequestOutput:
+        """A token delta; text and the output so far are filled by an OutputProcessor."""
         seq = st.seq
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=new_ids, new_text=delta, token_ids=list(seq.output_token_ids),
-            text=st.detok.text, finished=seq.finished, finish_reason=seq.finish_reason,
+            request_id=seq.request_id, new_token_ids=new_ids, new_text="", token_ids=[],
+            text="", finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             spec=type(seq.spec)(seq.spec.num_drafts, seq.spec.num_draft_tokens, seq.spec.num_accepted_tokens),
         )

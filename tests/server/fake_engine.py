@@ -258,6 +258,7 @@ class FakeEngine:
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
+        params.validate(vocab_size=self.tokenizer.vocab_size)  # as LLMEngine.validate_request does
         if any(t >= self.tokenizer.vocab_size for t in prompt):
             raise InvalidRequestError("prompt_token_ids", f"ids must be < {self.tokenizer.vocab_size}")
         limit = self.info.max_model_len
