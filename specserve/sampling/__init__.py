@@ -8,15 +8,37 @@ from specserve.sampling.rejection import (
     rejection_sample,
     rejection_sample_greedy,
 )
+from specserve.sampling.philox import philox_uniforms, random_seed, seed_to_int64
+from specserve.sampling.sampler import (
+    DeviceSampler,
+    RequestTensors,
+    SamplerFlags,
+    StepInputs,
+    process_logits,
+    uniforms_per_step,
+    unpack,
+    verify_step,
+)
 
 __all__ = [
+    "DeviceSampler",
     "REJECTION_METHODS",
     "RejectionOutput",
     "RejectionUniforms",
+    "RequestTensors",
+    "SamplerFlags",
     "SamplingTensors",
+    "StepInputs",
     "draw_uniforms",
     "logits_to_probs",
+    "philox_uniforms",
+    "process_logits",
+    "random_seed",
     "rejection_sample",
     "rejection_sample_greedy",
     "sample_from_probs",
+    "seed_to_int64",
+    "uniforms_per_step",
+    "unpack",
+    "verify_step",
 ]

@@ -1,0 +1,546 @@
+"""Sampling and draft verification on the device: one step, one packed result, one copy to the host.
+
+What one call does
+------------------
+:func:`verify_step` takes the logits of a step's forward and, for every request b of
+the batch, the rows to read and its drafts, and returns ONE int64 tensor::
+
+    packed: (B, K+2) int64
+        packed[b, :K+1]  output tokens: the accepted drafts, then the recovered/bonus token, -1 after
+        packed[b, K+1]   num_accepted[b] in 0..num_drafts[b]; request b emits packed[b, :num_accepted[b] + 1]
+
+K = 0 is plain decoding (one sampled token per request).  The steps, all on the
+device, shape-static and free of host synchronisation:
+
+1. gather the verified rows: ``logits[row_index]``, (B, K+1, V);
+2. greedy rows (temperature < GREEDY_EPS) take the argmax of the raw logits;
+   sampled rows get temperature, top-k (ties with the k-th value kept), top-p
+   and min-p (:func:`process_logits`, a row-wise wrapper of
+   :func:`specserve.sampling.processors.logits_to_probs`);
+3. uniforms: ``philox_uniforms(seed, offset, 2K+1)``, (B, 2K+1): columns [0, K)
+   are the accept tests, [K, 2K] the inverse-CDF draws at positions 0..K, the
+   layout of :meth:`RejectionUniforms.draw`;
+4. verification exactly as :mod:`specserve.sampling.rejection` defines strict,
+   probabilistic and synthetic (its torch functions, or on CUDA the Triton
+   kernel of :mod:`specserve.kernels.rejection_kernel` for strict/probabilistic).
+   When every row is greedy (and the method is not synthetic) the probabilities
+   are skipped: tokens are ``argmax`` and drafts are accepted while they match,
+   which is :func:`rejection_sample_greedy`.
+
+Given the same uniforms, the tokens are those of today's path
+(``logits_to_probs`` + ``rejection_sample`` / ``rejection_sample_greedy``) for
+each request; the tests check it case by case.
+
+Random numbers and the offset contract
+--------------------------------------
+Every request has a 64-bit ``seed`` (int64 pattern, :func:`seed_to_int64`) and
+an ``offset``: how many numbers of its stream it has consumed.  A step consumes
+exactly ``uniforms_per_step(K) = 2K + 1`` numbers per request, whatever the
+method, the request's own draft count and its batch neighbours, so the caller
+adds 2K+1 to the offset of every request it verified with this K (greedy
+requests may be advanced too; they read no random numbers).  Seeded requests are
+therefore reproducible whatever batch they land in and in any row.  Unseeded
+requests need a seed too: draw one per request at admission
+(:func:`specserve.sampling.philox.random_seed`).
+
+Host flags
+----------
+:class:`SamplerFlags` (like :class:`SamplingTensors`' flags) select code paths
+from Python values, never from device values.  They only skip work: with a flag
+set where no row needs it the result is bit for bit the same (the min-p
+renormalisation is applied row by row for that reason; ``logits_to_probs``
+renormalises every row of the batch once any row uses min-p, which makes a
+row's probabilities depend, in the last bit, on its neighbours).  So a captured
+CUDA graph may use :meth:`SamplerFlags.conservative` and serve every batch.
+
+Device buffers (:class:`DeviceSampler`)
+---------------------------------------
+For CUDA graphs every input lives in a persistent buffer preallocated for
+``max_num_seqs`` rows: the per-request tensors, ``row_index``, ``draft_ids`` and
+``num_drafts`` are written on the host into one pinned staging buffer and moved
+by ONE non-blocking copy per step; the packed result comes back by ONE
+non-blocking copy into a pinned host buffer followed by an event wait.  On the
+CPU both are plain copies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specserve.request import GREEDY_EPS
+from specserve.sampling import rejection as _rejection
+from specserve.sampling.philox import philox_uniforms, seed_to_int64
+from specserve.sampling.processors import SamplingTensors, logits_to_probs
+from specserve.sampling.rejection import REJECTION_METHODS, RejectionUniforms
+
+__all__ = [
+    "DeviceSampler",
+    "RequestTensors",
+    "SamplerFlags",
+    "StepInputs",
+    "process_logits",
+    "uniforms_per_step",
+    "unpack",
+    "verify_step",
+]
+
+
+def uniforms_per_step(K: int) -> int:
+    """Random numbers one request consumes per step with K speculative positions: 2K + 1."""
+    return 2 * K + 1
+
+
+@dataclass(frozen=True)
+class SamplerFlags:
+    """Host-side flags that pick code paths; set them from Python values, never from device tensors.
+
+    A flag may be set where no row needs it (same result, more work);
+    ``all_greedy`` may only be True when every row is greedy.
+    """
+
+    all_greedy: bool = False
+    any_greedy: bool = True
+    any_top_k: bool = True
+    any_top_p: bool = True
+    any_min_p: bool = True
+
+    @classmethod
+    def conservative(cls) -> "SamplerFlags":
+        """Every filter path on, not all greedy: right for any batch (e.g. one CUDA graph for all)."""
+        return cls()
+
+    @classmethod
+    def from_lists(
+        cls, temperatures: Sequence[float], top_ks: Sequence[int], top_ps: Sequence[float], min_ps: Sequence[float]
+    ) -> "SamplerFlags":
+        """The tight flags of a batch, by the rules of :meth:`SamplingTensors.build`.
+
+        ``top_k`` <= 0 is off; filters on greedy rows do not count.
+        """
+        greedy = [float(t) < GREEDY_EPS for t in temperatures]
+        sampled = [not g for g in greedy]
+        return cls(
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            any_top_k=any(int(k) > 0 and s for k, s in zip(top_ks, sampled)),
+            any_top_p=any(float(p) < 1.0 and s for p, s in zip(top_ps, sampled)),
+            any_min_p=any(float(m) > 0.0 and s for m, s in zip(min_ps, sampled)),
+        )
+
+
+@dataclass
+class RequestTensors:
+    """Per-request sampling state of one step, on the device, plus the host flags."""
+
+    temperature: Tensor  # (B,) float32; < GREEDY_EPS = greedy
+    top_k: Tensor  # (B,) int64; 0 = off
+    top_p: Tensor  # (B,) float32; 1.0 = off
+    min_p: Tensor  # (B,) float32; 0.0 = off
+    seed: Tensor  # (B,) int64: 64-bit Philox key (seed_to_int64)
+    offset: Tensor  # (B,) int64 >= 0: random numbers the request consumed before this step
+    flags: SamplerFlags
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        temperatures: Sequence[float],
+        top_ks: Sequence[int],
+        top_ps: Sequence[float],
+        min_ps: Sequence[float],
+        seeds: Sequence[int],
+        offsets: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> "RequestTensors":
+        """From Python lists (validated like :meth:`SamplingTensors.build`), with tight flags.
+
+        Allocates new tensors: for tests and eager use.  The step loop uses
+        :meth:`DeviceSampler.prepare`, which fills persistent buffers.
+        """
+        st = SamplingTensors.build(temperatures, top_ks, top_ps, min_ps, device)  # validates the values
+        seeds64, offs = _check_seeds_offsets(seeds, offsets, st.num_rows)
+        return cls(
+            temperature=st.temperature, top_k=st.top_k, top_p=st.top_p, min_p=st.min_p,
+            seed=torch.tensor(seeds64, dtype=torch.int64, device=device),
+            offset=torch.tensor(offs, dtype=torch.int64, device=device),
+            flags=SamplerFlags.from_lists(temperatures, top_ks, top_ps, min_ps),
+        )
+
+
+def _check_seeds_offsets(seeds: Sequence[int], offsets: Sequence[int], n: int) -> tuple[list[int], list[int]]:
+    if len(seeds) != n or len(offsets) != n:
+        raise ValueError(f"seeds/offsets: expected {n} values each (one per row), got {len(seeds)} and {len(offsets)}")
+    seeds64 = [seed_to_int64(int(s)) for s in seeds]
+    offs = [int(o) for o in offsets]
+    if any(not 0 <= o < 2**62 for o in offs):
+        raise ValueError(f"offsets: must be in [0, 2**62), got {offs}")
+    return seeds64, offs
+
+
+def _rows(t: Tensor, repeats: int) -> Tensor:
+    # (B,) -> (B * repeats,): each request's value on each of its verified positions
+    return t[:, None].expand(t.shape[0], repeats).reshape(-1)
+
+
+def process_logits(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, flags: SamplerFlags
+) -> Tensor:
+    """Processed probabilities (N, V) float32 from logits (N, V); per-row parameters (N,).
+
+    Row by row equal to :func:`logits_to_probs` applied to that row alone:
+    temperature, top-k, top-p by ``logits_to_probs`` itself, then min-p
+    (keep p >= min_p * p_max, renormalise) on the rows with min_p > 0 only.
+    Greedy rows are one-hot at the argmax of the raw logits.  Sync-free.
+    """
+    greedy = temperature < GREEDY_EPS  # (N,)
+    st = SamplingTensors(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, greedy=greedy,
+        all_greedy=flags.all_greedy, any_greedy=flags.any_greedy, any_top_k=flags.any_top_k,
+        any_top_p=flags.any_top_p, any_min_p=False,
+    )
+    probs = logits_to_probs(logits, st)  # (N, V)
+    if flags.any_min_p and not flags.all_greedy:
+        # After the greedy one-hot: min-p leaves a one-hot row as it is (p_max = 1, min_p <= 1).
+        p_max = probs.amax(dim=-1, keepdim=True)  # (N, 1)
+        kept = probs.masked_fill(probs < min_p[:, None] * p_max, 0.0)  # (N, V)
+        kept = kept / kept.sum(dim=-1, keepdim=True)
+        probs = torch.where((min_p > 0.0)[:, None], kept, probs)
+    return probs
+
+
+def _check_verify_inputs(logits, row_index, draft_ids, num_drafts, req, draft_probs) -> tuple[int, int, int]:
+    # Shapes, dtypes and devices only (host metadata): values are never read here.
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits: expected (R, V) floating point, got {tuple(logits.shape)} {logits.dtype}")
+    V = logits.shape[1]
+    dev = logits.device
+    if draft_ids.dim() != 2 or draft_ids.dtype != torch.int64 or draft_ids.device != dev:
+        raise ValueError(f"draft_ids: expected (B, K) int64 on {dev}, got {tuple(draft_ids.shape)} "
+                         f"{draft_ids.dtype} on {draft_ids.device}")
+    B, K = draft_ids.shape
+    for name, t, shape, dtype in (
+        ("row_index", row_index, (B, K + 1), torch.int64),
+        ("num_drafts", num_drafts, (B,), torch.int64),
+        ("temperature", req.temperature, (B,), torch.float32),
+        ("top_k", req.top_k, (B,), torch.int64),
+        ("top_p", req.top_p, (B,), torch.float32),
+        ("min_p", req.min_p, (B,), torch.float32),
+        ("seed", req.seed, (B,), torch.int64),
+        ("offset", req.offset, (B,), torch.int64),
+    ):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != dev:
+            raise ValueError(f"{name}: expected {shape} {dtype} on {dev}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if draft_probs is not None and (
+        tuple(draft_probs.shape) != (B, K, V) or draft_probs.dtype != torch.float32 or draft_probs.device != dev
+    ):
+        raise ValueError(f"draft_probs: expected ({B}, {K}, {V}) float32 on {dev}, "
+                         f"got {tuple(draft_probs.shape)} {draft_probs.dtype} on {draft_probs.device}")
+    if V == 0:
+        raise ValueError("logits: vocabulary dimension is empty")
+    return B, K, V
+
+
+def verify_step(
+    logits: Tensor,
+    row_index: Tensor,
+    draft_ids: Tensor,
+    num_drafts: Tensor,
+    req: RequestTensors,
+    *,
+    method: str = "strict",
+    synthetic_acceptance_rate: float | None = None,
+    draft_probs: Tensor | None = None,
+    use_kernel: bool | None = None,
+) -> Tensor:
+    """Sample / verify every request of a step on the device; returns packed (B, K+2) int64.
+
+    Args:
+        logits: (R, V) float (any float dtype; processed in float32), the step's forward rows.
+        row_index: (B, K+1) int64, row of ``logits`` for request b at verified position j;
+            positions past num_drafts[b] repeat the last real row (they are never read).
+        draft_ids: (B, K) int64, -1 beyond num_drafts[b].  K = 0: plain decoding.
+        num_drafts: (B,) int64 in 0..K.
+        req: per-request tensors (B,) and host flags.
+        method: "strict", "probabilistic" or "synthetic" (+ ``synthetic_acceptance_rate``).
+        draft_probs: (B, K, V) float32 draft distributions for "probabilistic"; None =
+            one-hot at the draft (n-gram, suffix, greedy drafters).  Ignored by the others.
+        use_kernel: None = the Triton kernel for strict/probabilistic when ``logits`` is on
+            CUDA and triton imports; True forces it (CPU needs TRITON_INTERPRET=1); False = torch.
+
+    Returns:
+        (B, K+2) int64: ``[:, :K+1]`` the tokens (-1 padded), ``[:, K+1]`` num_accepted.
+        Consumes ``uniforms_per_step(K)`` numbers of every request's stream (the caller
+        advances ``offset``).  Nothing here reads a device value on the host.
+    """
+    if method not in REJECTION_METHODS:
+        raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
+    rate = synthetic_acceptance_rate
+    if method == "synthetic":
+        if rate is None or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"synthetic_acceptance_rate: must be in [0, 1] with method 'synthetic', got {rate}")
+    elif rate is not None:
+        raise ValueError(f"synthetic_acceptance_rate: only valid with method 'synthetic', not {method!r}")
+    B, K, V = _check_verify_inputs(logits, row_index, draft_ids, num_drafts, req, draft_probs)
+    if use_kernel is None:
+        use_kernel = logits.is_cuda and method != "synthetic" and _triton_available()
+    elif use_kernel and method == "synthetic":
+        raise ValueError("use_kernel: the Triton kernel implements strict and probabilistic only")
+    flags = req.flags
+
+    if flags.all_greedy and method != "synthetic":
+        # rejection_sample_greedy: accept while d_i == argmax p_i (no probabilities, no randomness)
+        t = logits.argmax(dim=-1)[row_index]  # (B, K+1)
+        num_accepted = _rejection._chain_accepted(t[:, :K] == draft_ids, num_drafts)  # (B,)
+        emit = t.gather(1, num_accepted[:, None]).squeeze(1)  # (B,)
+        return _pack(_rejection._finish(emit, t[:, K:], draft_ids, num_accepted))
+
+    u = philox_uniforms(req.seed, req.offset, uniforms_per_step(K))  # (B, 2K+1)
+    uniforms = RejectionUniforms(accept=u[:, :K], sample=u[:, K:])  # (B, K), (B, K+1)
+    if flags.all_greedy:  # synthetic on greedy rows: argmax targets, accept iff u < rate
+        t = logits.argmax(dim=-1)[row_index]  # (B, K+1)
+        num_accepted = _rejection._chain_accepted(uniforms.accept < rate, num_drafts)
+        emit = t.gather(1, num_accepted[:, None]).squeeze(1)
+        return _pack(_rejection._finish(emit, t[:, K:], draft_ids, num_accepted))
+
+    rows = logits[row_index].reshape(B * (K + 1), V)  # (B*(K+1), V): request-major, position-minor
+    probs = process_logits(
+        rows, _rows(req.temperature, K + 1), _rows(req.top_k, K + 1), _rows(req.top_p, K + 1),
+        _rows(req.min_p, K + 1), flags,
+    ).view(B, K + 1, V)  # (B, K+1, V)
+    q = draft_probs if method == "probabilistic" else None
+    if use_kernel:
+        from specserve.kernels.rejection_kernel import rejection_sample_triton
+
+        ids, num_accepted = rejection_sample_triton(
+            probs, draft_ids, num_drafts, q, uniforms.accept, uniforms.sample, method
+        )
+        return torch.cat([ids, num_accepted[:, None]], dim=1)
+    if method == "strict":
+        out = _rejection._strict(probs, draft_ids, num_drafts, uniforms)
+    elif method == "probabilistic":
+        out = _rejection._probabilistic(probs, draft_ids, num_drafts, q, uniforms)
+    else:
+        out = _rejection._synthetic(probs, draft_ids, num_drafts, uniforms, rate)
+    return _pack(out)
+
+
+def _pack(out: _rejection.RejectionOutput) -> Tensor:
+    return torch.cat([out.output_token_ids, out.num_accepted[:, None]], dim=1)  # (B, K+2)
+
+
+def unpack(packed_host: Tensor | Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
+    """(emitted tokens, num_accepted) per request from a packed (B, K+2) result on the host."""
+    rows = packed_host.tolist() if isinstance(packed_host, Tensor) else packed_host
+    return [(row[: row[-1] + 1], row[-1]) for row in rows]
+
+
+def _triton_available() -> bool:
+    from specserve.kernels import triton_available
+
+    return triton_available()
+
+
+@dataclass
+class StepInputs:
+    """One step's device inputs (views of :class:`DeviceSampler`'s persistent buffers)."""
+
+    row_index: Tensor  # (B, K+1) int64
+    draft_ids: Tensor  # (B, K) int64, -1 padded
+    num_drafts: Tensor  # (B,) int64
+    requests: RequestTensors
+    num_real: int  # rows filled from the caller's lists; the rest (up to B) are padding
+
+
+# Persistent input layout: field-major, int64 fields first so every float32 field stays aligned.
+_INT_FIELDS = ("top_k", "seed", "offset", "num_drafts", "row_index", "draft_ids")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+
+class DeviceSampler:
+    """Persistent buffers + :func:`verify_step` + the one copy back to the host, for the step loop.
+
+    ``prepare`` writes a step's inputs into a pinned host staging buffer and moves
+    it to the device with one non-blocking copy (the views it returns always
+    point at the same device memory, so a CUDA graph captured on them stays
+    valid); ``sample`` runs :func:`verify_step`; ``fetch`` copies the packed result
+    into a pinned host buffer (one non-blocking copy + event wait) and unpacks it.
+
+    Args:
+        max_num_seqs: rows the buffers hold (the scheduler's max batch).
+        num_speculative_tokens: K, fixed for the sampler's life (0 = plain decoding).
+        device: where the step runs.
+        method, synthetic_acceptance_rate: the verification method (see :func:`verify_step`).
+        vocab_size: when given, ``prepare`` checks draft ids against it.
+        use_kernel: passed to :func:`verify_step`.
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        num_speculative_tokens: int,
+        device: torch.device | str = "cpu",
+        method: str = "strict",
+        synthetic_acceptance_rate: float | None = None,
+        vocab_size: int | None = None,
+        use_kernel: bool | None = None,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
+        if method not in REJECTION_METHODS:
+            raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
+        self.max_num_seqs = N = max_num_seqs
+        self.K = K = num_speculative_tokens
+        self.device = torch.device(device)
+        self.method = method
+        self.synthetic_acceptance_rate = synthetic_acceptance_rate
+        self.vocab_size = vocab_size
+        self.use_kernel = use_kernel
+        pin = self.device.type == "cuda"
+        shapes = {"top_k": (N,), "seed": (N,), "offset": (N,), "num_drafts": (N,),
+                  "row_index": (N, K + 1), "draft_ids": (N, K),
+                  "temperature": (N,), "top_p": (N,), "min_p": (N,)}
+        layout, nbytes = {}, 0
+        for name in _INT_FIELDS + _FLOAT_FIELDS:
+            dtype = torch.int64 if name in _INT_FIELDS else torch.float32
+            size = math.prod(shapes[name]) * dtype.itemsize
+            layout[name] = (nbytes, size, dtype, shapes[name])
+            nbytes += size
+        self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+        def views(buf: Tensor) -> dict[str, Tensor]:
+            return {n: buf[s : s + z].view(dt).view(sh) for n, (s, z, dt, sh) in layout.items()}
+
+        self._host = {n: t.numpy() for n, t in views(self._staging).items()}  # numpy views of pinned memory
+        self._dev = views(self._device_bytes)
+        self._out_host = torch.empty(N * (K + 2), dtype=torch.int64, pin_memory=pin)
+        cuda = self.device.type == "cuda"
+        self._h2d_done = torch.cuda.Event() if cuda else None
+        self._d2h_done = torch.cuda.Event() if cuda else None
+        self._h2d_pending = False
+
+    @property
+    def uniforms_per_step(self) -> int:
+        """Numbers each verified request consumes per step: add this to its offset (2K + 1)."""
+        return uniforms_per_step(self.K)
+
+    def prepare(
+        self,
+        rows: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        temperatures: Sequence[float],
+        top_ks: Sequence[int],
+        top_ps: Sequence[float],
+        min_ps: Sequence[float],
+        seeds: Sequence[int],
+        offsets: Sequence[int],
+        pad_to: int | None = None,
+        flags: SamplerFlags | None = None,
+    ) -> StepInputs:
+        """Fill the persistent buffers for B requests (one host->device copy); returns views (B', ...).
+
+        Args:
+            rows: per request, the logits row of its first verified position (row_index[b, j]
+                = rows[b] + min(j, len(drafts[b]))).
+            drafts: per request, its draft token ids (at most K).
+            temperatures, top_ks, top_ps, min_ps: as :meth:`SamplingTensors.build`.
+            seeds: 64-bit seeds in [-2**63, 2**64 - 1]; offsets: the requests' stream positions.
+            pad_to: B' >= B rows to expose (a captured graph's batch size); padding rows are
+                greedy with no drafts and read logits row 0; their results are to be ignored.
+            flags: None = the batch's tight flags (:meth:`SamplerFlags.from_lists`).
+        """
+        B = len(rows)
+        Bp = B if pad_to is None else pad_to
+        if not 1 <= B <= Bp <= self.max_num_seqs:
+            raise ValueError(f"rows/pad_to: need 1 <= B={B} <= pad_to={Bp} <= max_num_seqs={self.max_num_seqs}")
+        n_pad = Bp - B
+        SamplingTensors.build(temperatures, top_ks, top_ps, min_ps)  # validates lengths and ranges (tiny, host)
+        seeds64, offs = _check_seeds_offsets(seeds, offsets, B)
+        if len(drafts) != B:
+            raise ValueError(f"drafts: expected {B} lists (one per row), got {len(drafts)}")
+        lens = [len(d) for d in drafts]
+        if any(n > self.K for n in lens):
+            raise ValueError(f"drafts: at most K={self.K} per request, got lengths {lens}")
+        V = self.vocab_size
+        if any(not 0 <= t < (V if V is not None else 2**63) for d in drafts for t in d):
+            raise ValueError(f"drafts: token ids must be in [0, {V}), got {[list(d) for d in drafts]}")
+        if any(int(r) < 0 for r in rows):
+            raise ValueError(f"rows: must be >= 0, got {list(rows)}")
+        if flags is None:
+            pad = [0.0] * n_pad
+            flags = SamplerFlags.from_lists(
+                list(temperatures) + pad, list(top_ks) + [0] * n_pad, list(top_ps) + [1.0] * n_pad,
+                list(min_ps) + pad,
+            )
+
+        if self._h2d_pending and self._h2d_done is not None:
+            self._h2d_done.synchronize()  # the previous copy has left the staging buffer
+        h = self._host
+        h["temperature"][:B] = temperatures
+        h["top_k"][:B] = [max(int(k), 0) for k in top_ks]
+        h["top_p"][:B] = top_ps
+        h["min_p"][:B] = min_ps
+        h["seed"][:B] = seeds64
+        h["offset"][:B] = offs
+        h["num_drafts"][:B] = lens
+        j = np.arange(self.K + 1)[None, :]  # (1, K+1)
+        h["row_index"][:B] = np.asarray(rows, dtype=np.int64)[:, None] + np.minimum(j, np.asarray(lens)[:, None])
+        ids = h["draft_ids"]
+        ids[:B] = -1
+        for b, d in enumerate(drafts):
+            ids[b, : len(d)] = d
+        if n_pad:
+            for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("seed", 0),
+                                ("offset", 0), ("num_drafts", 0), ("row_index", 0), ("draft_ids", -1)):
+                h[name][B:Bp] = value
+        self._device_bytes.copy_(self._staging, non_blocking=True)
+        if self._h2d_done is not None:
+            self._h2d_done.record()
+            self._h2d_pending = True
+        d = {name: t[:Bp] for name, t in self._dev.items()}
+        return StepInputs(
+            row_index=d["row_index"], draft_ids=d["draft_ids"], num_drafts=d["num_drafts"],
+            requests=RequestTensors(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"],
+                                    min_p=d["min_p"], seed=d["seed"], offset=d["offset"], flags=flags),
+            num_real=B,
+        )
+
+    def sample(self, logits: Tensor, inputs: StepInputs, draft_probs: Tensor | None = None) -> Tensor:
+        """:func:`verify_step` on the prepared inputs; packed (B', K+2) int64 on the device."""
+        return verify_step(
+            logits, inputs.row_index, inputs.draft_ids, inputs.num_drafts, inputs.requests,
+            method=self.method, synthetic_acceptance_rate=self.synthetic_acceptance_rate,
+            draft_probs=draft_probs, use_kernel=self.use_kernel,
+        )
+
+    def copy_to_host(self, packed: Tensor) -> Tensor:
+        """One non-blocking copy of ``packed`` (B, W) into the pinned host buffer, then wait for it.
+
+        Returns a view of the host buffer, valid until the next call.
+        """
+        B, W = packed.shape
+        if B * W > self._out_host.numel():
+            raise ValueError(f"packed: {tuple(packed.shape)} does not fit the host buffer "
+                             f"({self.max_num_seqs} x {self.K + 2})")
+        host = self._out_host[: B * W].view(B, W)
+        host.copy_(packed, non_blocking=True)
+        if self._d2h_done is not None:
+            self._d2h_done.record()
+            self._d2h_done.synchronize()
+        return host
+
+    def fetch(self, packed: Tensor, num_rows: int | None = None) -> list[tuple[list[int], int]]:
+        """(emitted tokens, num_accepted) for the first ``num_rows`` requests (default all), one copy."""
+        host = self.copy_to_host(packed)
+        return unpack(host[: host.shape[0] if num_rows is None else num_rows])
