@@ -27,7 +27,7 @@ METHODS = (
 )
 # Methods whose proposer exists in this build; the others are valid names that
 # a later release implements, and selecting them fails early with a clear line.
-IMPLEMENTED_METHODS = ("ngram", "draft_model")
+IMPLEMENTED_METHODS = ("ngram", "draft_model", "suffix")
 METHODS_WITHOUT_MODEL = ("ngram", "suffix", "mtp")
 REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
