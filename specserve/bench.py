@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from specserve.config import Config
+from specserve.config import BenchConfig, Config
 from specserve.data import bench_prompts
 from specserve.engine.engine import LLMEngine
 from specserve.engine.stats import RequestFinishedStats, StepStats
@@ -193,6 +193,18 @@ def _weight_bytes(m: LoadedModel) -> int:
     return total
 
 
+def select_prompts(engine: LLMEngine, b: BenchConfig, cache: Path | None) -> list[list[int]]:
+    """The benchmark's prompts: seeded ShareGPT first turns, chat-templated, that fit."""
+    prompts: list[list[int]] = []
+    for t in bench_prompts(b.num_prompts, b.seed, cache):
+        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": t}])
+        if len(ids) <= b.max_prompt_tokens and len(ids) + b.max_tokens < engine.max_model_len:
+            prompts.append(ids)
+        if len(prompts) == b.num_prompts:
+            break
+    return prompts
+
+
 def run_bench(cfg: Config) -> int:
     b = cfg.bench
     device = resolve_device(cfg.engine.device)
@@ -202,15 +214,7 @@ def run_bench(cfg: Config) -> int:
     target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir, cpu_kernel=cfg.engine.cpu_kernel)
     cache = Path(m.cache_dir) if m.cache_dir else default_cache_dir()
     engine = LLMEngine(cfg, target=target)
-    tok = engine.tokenizer
-    texts = bench_prompts(b.num_prompts, b.seed, cache)
-    prompts: list[list[int]] = []
-    for t in texts:
-        ids = tok.apply_chat_template([{"role": "user", "content": t}])
-        if len(ids) <= b.max_prompt_tokens and len(ids) + b.max_tokens < engine.max_model_len:
-            prompts.append(ids)
-        if len(prompts) == b.num_prompts:
-            break
+    prompts = select_prompts(engine, b, cache)
     method = cfg.method.method if cfg.method else "none"
     k = engine.k
     log.info("bench: %d prompts, max_tokens=%d, concurrency=%d, method=%s K=%d dtype=%s", len(prompts), b.max_tokens,

@@ -225,6 +225,11 @@ def generate_main(argv: list[str] | None = None) -> int:
 
 
 def bench_main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-m" in argv or "--multirun" in argv:  # Hydra-style sweep, run in this process
+        from specserve.sweep import main as sweep_main
+
+        return sweep_main([a for a in argv if a not in ("-m", "--multirun")])
     return _run(argv, _bench)
 
 
