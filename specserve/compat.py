@@ -190,8 +190,6 @@ ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name !
 # vLLM engine arguments that mean nothing here: accepted (so vLLM command lines and
 # scripts run) with a note saying so.  Value check -> None when fine, else the problem.
 IGNORED_ENGINE_ARGS: dict[str, str] = {
-    "gpu_memory_utilization": "the KV cache is sized by engine.kv_cache_memory_gib (or engine.num_kv_blocks)",
-    "enforce_eager": "this engine does not capture CUDA graphs",
     "trust_remote_code": "specserve runs its own Llama-family code, never a checkpoint's",
     "disable_log_stats": "statistics go to /metrics",
     "disable_log_requests": "requests are not logged",
@@ -286,11 +284,12 @@ def engine_overrides(
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError("kv_cache_memory_bytes", f"must be a positive number of bytes, got {value!r}")
             out.append(override("engine.kv_cache_memory_gib", value / (1 << 30)))
+        elif key == "enforce_eager":  # vLLM's switch for CUDA graphs
+            if not isinstance(value, bool):
+                raise ConfigError(key, f"must be a boolean, got {value!r}")
+            if value:
+                out.append(override("engine.cuda_graphs", "off"))
         elif key in IGNORED_ENGINE_ARGS:
-            if key == "gpu_memory_utilization":
-                v = _number(key, value)
-                if not 0.0 < v <= 1.0:
-                    raise ConfigError(key, f"must be in (0, 1], got {value!r}")
             name = f"--{key.replace('_', '-')}" if where == "serve" else f"{key}={value!r}"
             notes.append(f"{name} is accepted for vLLM compatibility and has no effect: {IGNORED_ENGINE_ARGS[key]}")
         elif key in REMOVED_SPEC_KNOBS:

@@ -14,6 +14,8 @@ from typing import Any, Optional
 from specserve.errors import ConfigError
 
 CPU_KERNELS = ("auto", "fused", "torch")  # engine.cpu_kernel
+CUDA_GRAPH_MODES = ("auto", "off")  # engine.cuda_graphs
+SPECULATION_MODES = ("auto", "adaptive", "fixed")  # engine.speculation
 
 METHODS = (
     "ngram",
@@ -84,7 +86,18 @@ class EngineConfig:
     # Paged KV cache: tokens per block, and either a block count or a budget.
     block_size: int = 16
     num_kv_blocks: Optional[int] = None
-    kv_cache_memory_gib: float = 0.5
+    # KV budget: an explicit size (GiB), or null = 0.5 GiB on the CPU and, on CUDA,
+    # what gpu_memory_utilization of the device leaves after weights, activations
+    # and CUDA graphs (measured at start-up, as vLLM does).
+    kv_cache_memory_gib: Optional[float] = None
+    gpu_memory_utilization: float = 0.9
+    # CUDA graphs for decode and uniform verification steps per batch bucket
+    # (1, 2, 4, ... max_num_seqs): "auto" = on CUDA, "off" = eager.
+    cuda_graphs: str = "auto"
+    # Drafts per step: "fixed" = method.num_speculative_tokens every step; "adaptive" =
+    # chosen per step from measured step costs and acceptance (0 switches speculation
+    # off while it costs more than it saves); "auto" = adaptive on CUDA, fixed on the CPU.
+    speculation: str = "auto"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     seed: int = 0
@@ -287,8 +300,13 @@ def validate_config(cfg: Config) -> Config:
     _int("engine.block_size", e.block_size, 1)
     if e.num_kv_blocks is not None:
         _int("engine.num_kv_blocks", e.num_kv_blocks, 1)
-    if not e.kv_cache_memory_gib > 0:
-        raise ConfigError("engine.kv_cache_memory_gib", f"must be > 0, got {e.kv_cache_memory_gib}")
+    if e.kv_cache_memory_gib is not None and not e.kv_cache_memory_gib > 0:
+        raise ConfigError("engine.kv_cache_memory_gib", f"must be > 0 (or null), got {e.kv_cache_memory_gib}")
+    u = e.gpu_memory_utilization
+    if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+        raise ConfigError("engine.gpu_memory_utilization", f"must be in (0, 1], got {u!r}")
+    _choice("engine.cuda_graphs", e.cuda_graphs, CUDA_GRAPH_MODES)
+    _choice("engine.speculation", e.speculation, SPECULATION_MODES)
     _int("engine.max_num_seqs", e.max_num_seqs, 1)
     _int("engine.max_num_batched_tokens", e.max_num_batched_tokens, 1)
     if e.num_threads is not None:

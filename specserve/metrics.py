@@ -45,6 +45,11 @@ Derived figures (PromQL; use the same range everywhere)::
     # p99 time to first token
     histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
 
+Adaptive speculation::
+
+    specserve_spec_decode_num_speculative_tokens   gauge, drafts per request per step chosen now
+                                                   (engine.speculation=adaptive; 0 = off, K when fixed)
+
 Serving::
 
     specserve_num_requests_running      gauge
@@ -157,6 +162,12 @@ class SpecServeMetrics:
             tuple(float(b) for b in range(1, k + 2)),
         )
 
+        self.chosen_k = gauge(
+            "specserve_spec_decode_num_speculative_tokens",
+            "Drafts per request per step the engine currently chooses (adaptive speculation: 0 = off; "
+            "fixed: K).",
+        )
+        self.chosen_k.set(k)
         self.num_running = gauge("specserve_num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("specserve_num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge(
@@ -181,6 +192,7 @@ class SpecServeMetrics:
 
     def on_step(self, stats: StepStats) -> None:
         self.set_queue_state(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+        self.chosen_k.set(stats.num_speculative_tokens)
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:

@@ -38,7 +38,6 @@ _ENGINE_FLAGS = {
     "seed": "seed",
     "served-model-name": "served_model_name",
     "kv-cache-memory-bytes": "kv_cache_memory_bytes",
-    "gpu-memory-utilization": "gpu_memory_utilization",
     **{k.replace("_", "-"): k for k in ENGINE_KEYS},
 }
 _SERVER_FLAGS = {
@@ -51,7 +50,7 @@ _SERVER_FLAGS = {
     "pipeline-parallel-size": "parallelism.pipeline_parallel_size",
 }
 _SHORT = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-h": "help"}
-_SWITCHES = {"dry-run", "help"} | {k.replace("_", "-") for k in IGNORED_ENGINE_ARGS if k != "gpu_memory_utilization"}
+_SWITCHES = {"dry-run", "help", "enforce-eager"} | {k.replace("_", "-") for k in IGNORED_ENGINE_ARGS}
 _INT_FLAGS = {"tensor-parallel-size", "max-model-len", "seed", "port", "grpc-port", "pipeline-parallel-size"}
 _TEXT_FLAGS = {"model", "served-model-name", "host", "api-key", "ssl-certfile", "ssl-keyfile", "speculative-config",
                "dtype", "device", "cpu-kernel", "onednn-max-cpu-isa"}
@@ -73,7 +72,8 @@ The vLLM-compatible form of `specserve`: options become Hydra overrides
   --api-key KEY                server.api_key;  --ssl-certfile/--ssl-keyfile: TLS
   --{' / --'.join(k.replace('_', '-') for k in ENGINE_KEYS)}
                                engine.* keys
-  --gpu-memory-utilization, --enforce-eager, --trust-remote-code: accepted, no effect
+  --enforce-eager              engine.cuda_graphs=off
+  --trust-remote-code, --disable-log-stats: accepted, no effect
   --dry-run                    print the translation and the composed config, then exit
   key=value                    any Hydra override, applied last
 Underscore spellings (--max_model_len) work too; so does --flag=value.

@@ -23,20 +23,22 @@ import torch
 
 from specserve.config import Config
 from specserve.engine.output import OutputProcessor
-from specserve.engine.kv_blocks import BlockManager
+from specserve.kv_blocks import BlockManager
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.engine.stats import RequestFinishedStats, RequestStepStats, StatsListener, StepStats
 from specserve.engine.tokenizer import Tokenizer
-from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeError
+from specserve.engine.spec_control import SpecController
+from specserve.errors import ConfigError, InvalidRequestError, RequestFailedError, SpecServeError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model, resolve_device
-from specserve.executor.runner import ModelRunner, SeqInput
+from specserve.executor.batch import SeqInput, StepBatch
+from specserve.executor.runner import ModelRunner
 from specserve.proposers import DraftRequest, Proposer, build_proposer
 from specserve.proposers.base import ProposerContext
 from specserve.request import FinishReason, RequestOutput, SamplingParams
-from specserve.sampling.processors import SamplingTensors, logits_to_probs
-from specserve.sampling.rejection import RejectionUniforms, rejection_sample, rejection_sample_greedy
+from specserve.sampling.philox import random_seed, seed_to_int64
+from specserve.sampling.sampler import DeviceSampler
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +66,43 @@ class _Stage:
 class _ReqState:
     seq: Sequence
     proc: OutputProcessor | None  # None when the caller detokenizes (AsyncEngine)
-    generator: torch.Generator | None
+    seed: int  # int64 pattern of the request's Philox key (drawn at admission when unseeded)
+    offset: int = 0  # random numbers of its stream consumed so far
 
 
-def _num_blocks(cfg: Config, target: LoadedModel) -> int:
+CPU_KV_CACHE_GIB = 0.5  # the CPU's default KV budget
+
+
+def _num_blocks(cfg: Config, target: LoadedModel, graph_tokens: int) -> int:
     e = cfg.engine
     if e.num_kv_blocks is not None:
         return e.num_kv_blocks
     a = target.arch
     per_block = KVCache.bytes_per_block(a.num_layers, e.block_size, a.num_kv_heads, a.head_dim, target.dtype)
-    return max(1, int(e.kv_cache_memory_gib * (1 << 30)) // per_block)
+    if e.kv_cache_memory_gib is not None or target.device.type != "cuda":
+        gib = e.kv_cache_memory_gib if e.kv_cache_memory_gib is not None else CPU_KV_CACHE_GIB
+        return max(1, int(gib * (1 << 30)) // per_block)
+    from specserve.executor.static_runner import cuda_kv_budget_bytes
+
+    budget = cuda_kv_budget_bytes(target, e.max_num_batched_tokens, e.block_size, e.gpu_memory_utilization, graph_tokens)
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ConfigError(
+            "engine.gpu_memory_utilization",
+            f"{e.gpu_memory_utilization} of the GPU leaves no room for the KV cache after the weights and "
+            "activations; raise it, lower engine.max_num_batched_tokens, or set engine.kv_cache_memory_gib",
+        )
+    log.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%s", blocks, blocks * per_block / (1 << 30),
+             e.gpu_memory_utilization)
+    return blocks
+
+
+def draft_sizes(k: int) -> tuple[int, ...]:
+    """Verification sizes an adaptive step may choose (and CUDA graphs are captured
+    for): every k up to 8, then powers of two, and K itself."""
+    if k <= 8:
+        return tuple(range(1, k + 1))
+    return tuple(sorted({*range(1, 9), *(2**i for i in range(4, 8) if 2**i < k), k}))
 
 
 class LLMEngine:
@@ -89,16 +118,15 @@ class LLMEngine:
         self.target = target
         self.tokenizer = Tokenizer(target.tokenizer, target.eos_token_ids)
         self.max_model_len = target.max_model_len
-        num_blocks = _num_blocks(cfg, target)
-        a = target.arch
-        self.kv = KVCache(a.num_layers, num_blocks, e.block_size, a.num_kv_heads, a.head_dim, target.dtype, target.device)
-        self.runner = ModelRunner(
-            target, self.kv, cpu_kernel=e.cpu_kernel, fused_max_tokens=e.cpu_fused_max_tokens,
-            cache_dir=Path(cfg.model.cache_dir) if cfg.model.cache_dir else None,
-        )
-        self.blocks = BlockManager(num_blocks, e.block_size)
         spec = cfg.method
         self.k = spec.num_speculative_tokens if spec is not None else 0
+        sizes = draft_sizes(self.k)
+        cuda = target.device.type == "cuda"
+        graphs = cuda and e.cuda_graphs != "off"
+        num_blocks = _num_blocks(cfg, target, e.max_num_seqs * (1 + self.k) if graphs else 0)
+        a = target.arch
+        self.kv = KVCache(a.num_layers, num_blocks, e.block_size, a.num_kv_heads, a.head_dim, target.dtype, target.device)
+        self.blocks = BlockManager(num_blocks, e.block_size)
         self.proposer: Proposer | None = None
         if spec is not None:
             ctx = ProposerContext(target=target, draft_model=cfg.draft, engine=e, num_kv_blocks=num_blocks)
@@ -108,8 +136,32 @@ class LLMEngine:
                     "rejection_sample_method=synthetic: acceptance is simulated at rate %s; outputs are NOT "
                     "lossless (benchmarking only)", spec.synthetic_acceptance_rate,
                 )
+        self.aux_layer_ids: tuple[int, ...] = tuple(getattr(self.proposer, "aux_layer_ids", ()) or ())
+        static = None
+        if cuda:  # the GPU data path: persistent buffers, the paged Triton kernel, graphs per bucket
+            from specserve.executor.static_runner import StaticStepRunner
+
+            static = StaticStepRunner(
+                target, self.kv, max_num_seqs=e.max_num_seqs, max_num_tokens=e.max_num_batched_tokens,
+                graph_query_lens=(1, *(k + 1 for k in sizes)), aux_layer_ids=self.aux_layer_ids, use_graphs=graphs,
+            )
+        self.runner = ModelRunner(
+            target, self.kv, cpu_kernel=e.cpu_kernel, fused_max_tokens=e.cpu_fused_max_tokens,
+            cache_dir=Path(cfg.model.cache_dir) if cfg.model.cache_dir else None, static=static,
+        )
+        # Decode/verification steps padded to one draft length, so a captured graph fits.
+        self.uniform_steps = graphs
+        adaptive = e.speculation == "adaptive" or (e.speculation == "auto" and cuda)
+        self.spec_control = SpecController(self.k, adaptive=adaptive and self.k > 0, candidates=sizes)
+        if static is not None and graphs:
+            static.capture()
+            self.spec_control.seed_costs(static.time_graphs())
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.k, self.max_model_len)
-        self.generator = torch.Generator(device=target.device).manual_seed(e.seed)
+        self.seed_generator = torch.Generator().manual_seed(e.seed)  # seeds of unseeded requests (host)
+        self.sampler = DeviceSampler(
+            e.max_num_seqs, self.k, target.device, spec.rejection_sample_method if spec is not None else "strict",
+            spec.synthetic_acceptance_rate if spec is not None else None, vocab_size=target.arch.vocab_size,
+        )
         self.requests: dict[str, _ReqState] = {}
         self.listeners: list[StatsListener] = []
         self.detokenize = True  # AsyncEngine turns this off and detokenizes per stream
@@ -157,9 +209,9 @@ class LLMEngine:
         self.validate_request(request_id, prompt_token_ids, params)
         try:
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params)
-            gen = self._seeded_generator(params)
+            seed = self._request_seed(params)
             proc = OutputProcessor(self.tokenizer, seq.prompt_token_ids, params) if self.detokenize else None
-            self.requests[request_id] = _ReqState(seq, proc, gen)
+            self.requests[request_id] = _ReqState(seq, proc, seed)
             self.scheduler.add(seq)
         except SpecServeError:
             self.requests.pop(request_id, None)
@@ -169,10 +221,9 @@ class LLMEngine:
             log.exception("admitting request %s failed", request_id)
             raise RequestFailedError(f"admitting the request failed: {type(e).__name__}: {e}") from e
 
-    def _seeded_generator(self, params: SamplingParams) -> torch.Generator | None:
-        if params.seed is None:
-            return None
-        return torch.Generator(device=self.target.device).manual_seed(params.seed)
+    def _request_seed(self, params: SamplingParams) -> int:
+        """The request's Philox key: its own seed, or one drawn from the engine's seed."""
+        return seed_to_int64(params.seed) if params.seed is not None else random_seed(self.seed_generator)
 
     def _fail_request(self, st: _ReqState, stage: str, exc: Exception) -> RequestOutput:
         """End one request because handling it failed; its neighbours carry on."""
@@ -221,29 +272,65 @@ class LLMEngine:
                 self.proposer.remove(seq.request_id)
         if sched.empty:
             return []
-        drafts = self._propose(sched.scheduled)
+        # Drafts were proposed after the previous verification; the scheduler sized them.
+        drafts = [s.seq.draft_token_ids[: s.draft_room] for s in sched.scheduled]
+        for s in sched.scheduled:
+            s.seq.draft_token_ids = []
+        batch = self._build_batch(sched.scheduled, drafts)
+        t0 = time.perf_counter()
+        fwd = self.runner.execute(batch, self.aux_layer_ids)  # the only failure that may take the engine down
+        sampled = [s for s in sched.scheduled if s.sample]
+        results = self._verify(sampled, drafts, sched.scheduled, fwd)
+        outputs = self._commit(sched.scheduled, drafts, results)
+        t1 = time.perf_counter()
+        self._propose_next(sched.scheduled, batch, fwd, results)
+        self.spec_control.observe_step(len(sched.scheduled), batch.uniform_query_len(), t1 - t0,
+                                       time.perf_counter() - t1)
+        return outputs
+
+    def _build_batch(self, scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> StepBatch:
         inputs = []
-        for s, d in zip(sched.scheduled, drafts):
+        for s, d in zip(scheduled, drafts):
             seq = s.seq
             new = seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d
             offsets = list(range(s.num_new_tokens - 1, len(new))) if s.sample else []
-            inputs.append(SeqInput(new, seq.num_computed, seq.block_table, offsets))
-        fwd = self.runner.forward(inputs)  # the only failure that may take the engine down
-        sampled = [s for s in sched.scheduled if s.sample]
-        results = self._verify(sampled, drafts, sched.scheduled, fwd)
-        return self._commit(sched.scheduled, drafts, results)
+            inputs.append(SeqInput(new, seq.num_computed, seq.block_table, offsets, num_drafts=len(d)))
+        pad_to = None
+        if self.uniform_steps and all(s.sample and s.num_new_tokens == 1 for s in scheduled):
+            # A decode/verification step: pad drafts to one length so a captured graph fits.
+            pad_to = 1 + max(len(d) for d in drafts)
+        return StepBatch.from_inputs(
+            inputs, self.kv.block_size, pad_to=pad_to, trash_slot=self.kv.trash_slot,
+            max_position=self.max_model_len - 1,
+        )
 
-    def _propose(self, scheduled: list[ScheduledSeq]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in scheduled]
+    def _propose_next(self, scheduled: list[ScheduledSeq], batch: StepBatch, fwd, results) -> None:
+        """Drafts for the next step, proposed now that this step is verified; a
+        proposer conditioned on the target reads this forward's states by row."""
         if self.proposer is None:
-            return drafts
-        idx = [i for i, s in enumerate(scheduled) if s.draft_room > 0]
-        if not idx:
-            return drafts
-        prop = self.proposer.propose([DraftRequest(scheduled[i].seq, scheduled[i].draft_room) for i in idx])
-        for i, toks in zip(idx, prop.token_ids):
-            drafts[i] = list(toks[: scheduled[i].draft_room])
-        return drafts
+            return
+        k = self.spec_control.choose(sum(1 for s in scheduled if s.sample and not s.seq.finished))
+        reqs: list[DraftRequest] = []
+        j = 0
+        for b, s in enumerate(scheduled):
+            seq = s.seq
+            committed = s.num_new_tokens
+            if s.sample:
+                r = results[j]
+                j += 1
+                if isinstance(r, tuple):
+                    committed += r[1]
+            if seq.finished:
+                continue
+            room = min(k, self.max_model_len - len(seq.token_ids) - 1) if s.sample else 0
+            start = batch.query_start[b]
+            reqs.append(DraftRequest(seq, max(room, 0), range(start, start + committed)))
+        if not reqs:
+            return
+        prop = self.proposer.propose(reqs, fwd)
+        for r, toks in zip(reqs, prop.token_ids):
+            if r.max_drafts > 0:
+                r.seq.draft_token_ids = list(toks[: r.max_drafts])
 
     def _verify(self, sampled, drafts_all, scheduled, fwd) -> list[tuple[list[int], int] | Exception]:
         """Per sampled seq: (emitted tokens, number of accepted drafts), or the exception
@@ -277,43 +364,22 @@ class LLMEngine:
         return float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p)
 
     def _verify_batch(self, sampled, sample_rows, drafts_all, scheduled, fwd) -> list[tuple[list[int], int]]:
+        """Sample/verify every sampled request on the device (``DeviceSampler``): one
+        copy of its inputs up, one packed (B, K+2) result back.  Random numbers come
+        from each request's own (seed, offset) Philox stream, 2K+1 per step whatever
+        its neighbours do, so a seeded request is reproducible in any batch."""
         pos = {id(s): i for i, s in enumerate(scheduled)}
         drafts = [drafts_all[pos[id(s)]] for s in sampled]
         rows = [fwd.row_offsets[pos[id(s)]] for s in sampled]
-        B = len(sampled)
-        params = [s.seq.params for s in sampled]
-        # Sampled rows always span the configured K so each request draws the same
-        # number of random numbers per step whatever its batch neighbours propose:
-        # a seeded request is reproducible regardless of batch composition.
-        K = max(len(d) for d in drafts) if all(p.greedy for p in params) else self.k
-        dev = fwd.logits.device
-        # (B, K+1) row index into logits; padding repeats the row of the last real position.
-        row_idx = torch.tensor(
-            [[r + min(j, len(d)) for j in range(K + 1)] for r, d in zip(rows, drafts)], dtype=torch.int64, device=dev
+        states = [self.requests[s.seq.request_id] for s in sampled]
+        temps, top_ks, top_ps, min_ps = zip(*sample_rows)
+        inputs = self.sampler.prepare(
+            rows, drafts, temps, top_ks, top_ps, min_ps, [st.seed for st in states], [st.offset for st in states]
         )
-        num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=dev)
-        draft_ids = torch.tensor([d + [-1] * (K - len(d)) for d in drafts], dtype=torch.int64, device=dev).view(B, K)
-        spec = self.cfg.method
-        method = spec.rejection_sample_method if spec is not None else "strict"
-        if all(p.greedy for p in params) and method != "synthetic":
-            target_argmax = fwd.logits.argmax(dim=-1)[row_idx]  # (B, K+1)
-            out = rejection_sample_greedy(target_argmax, draft_ids, num_drafts)
-        else:
-            temps, top_ks, top_ps, min_ps = zip(*sample_rows)
-            st = SamplingTensors.build(temps, top_ks, top_ps, min_ps, dev).repeat_interleave(K + 1)
-            # (one row per verified position)
-            V = fwd.logits.shape[-1]
-            logits = fwd.logits[row_idx].view(B * (K + 1), V)
-            probs = logits_to_probs(logits, st).view(B, K + 1, V)
-            gens = [self.requests[s.seq.request_id].generator or self.generator for s in sampled]
-            uniforms = RejectionUniforms.draw(gens, K, dev)
-            out = rejection_sample(
-                probs, draft_ids, num_drafts, None, uniforms, method,
-                spec.synthetic_acceptance_rate if spec is not None else None,
-            )
-        n_acc = out.num_accepted.tolist()
-        toks = out.output_token_ids.tolist()
-        return [(t[: a + 1], a) for t, a in zip(toks, n_acc)]
+        results = self.sampler.fetch(self.sampler.sample(fwd.logits, inputs), len(sampled))
+        for st in states:
+            st.offset += self.sampler.uniforms_per_step
+        return results
 
     def _commit(self, scheduled, drafts, results) -> list[RequestOutput]:
         now = time.monotonic()
@@ -339,6 +405,7 @@ class LLMEngine:
                 seq.spec.num_drafts += 1
                 seq.spec.num_draft_tokens += len(d)
                 seq.spec.num_accepted_tokens += a
+                self.spec_control.observe_drafts(len(d), a)
             stage = "updating its draft state"
             try:
                 if self.proposer is not None:
@@ -378,6 +445,7 @@ class LLMEngine:
         self._emit_step(StepStats(
             num_running=self.num_running, num_waiting=self.num_waiting, kv_cache_usage=self.blocks.usage,
             num_prompt_tokens=n_prompt, num_generation_tokens=n_gen, requests=req_stats,
+            num_speculative_tokens=self.spec_control.chosen if self.k else 0,
         ))
         return outputs
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from specserve.engine.kv_blocks import BlockManager
+from specserve.kv_blocks import BlockManager
 from specserve.engine.sequence import Sequence, Status
 
 
@@ -23,7 +23,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # uncomputed tokens to run this step
     sample: bool  # this chunk reaches the end of the sequence: sample the next token
-    draft_room: int  # drafts that may be appended (0 for prefill chunks)
+    draft_room: int  # pending drafts that run this step (0 for prefill chunks)
 
 
 @dataclass
@@ -72,17 +72,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def _draft_room(self, seq: Sequence) -> int:
-        """How many drafts fit without passing max_model_len (positions must exist).
+        """How many of the sequence's pending drafts run this step: all of them, up to
+        K and max_model_len (positions must exist).
 
         max_tokens does not shorten the draft: like vLLM, every round proposes
         K and tokens past max_tokens are dropped at commit, so acceptance
         figures are not biased down by the last round of each request."""
-        return max(min(self.num_lookahead, self.max_model_len - len(seq.token_ids) - 1), 0)
+        room = min(len(seq.draft_token_ids), self.num_lookahead, self.max_model_len - len(seq.token_ids) - 1)
+        return max(room, 0)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

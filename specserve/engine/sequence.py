@@ -36,7 +36,8 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
-    stop_text_len: int | None = None  # text is cut here when a stop string matched
+    # Drafts proposed after the last verification, to be verified by the next step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -35,6 +35,9 @@ class StepStats:
     num_prompt_tokens: int  # prompt tokens prefilled this step
     num_generation_tokens: int  # tokens emitted this step
     requests: list[RequestStepStats] = field(default_factory=list)
+    # Drafts per request the engine chose for its latest proposals (adaptive speculation;
+    # K when fixed, 0 without speculation or while it is switched off).
+    num_speculative_tokens: int = 0
 
 
 @dataclass

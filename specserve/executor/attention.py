@@ -47,11 +47,32 @@ class PaddedGroup:
 
 
 @dataclass
+class PagedKernelArgs:
+    """The paged-attention kernel's view of a step (``kernels.paged_attention``): every
+    tensor is a slice of the step runner's persistent buffers, every int fixed per
+    batch bucket, so a step built on them can be captured in a CUDA graph."""
+
+    block_tables: Tensor  # (B, max_blocks) int32
+    query_start: Tensor  # (B+1,) int32
+    seq_lens: Tensor  # (B,) int32
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    num_splits: int = 1
+    scratch: tuple[Tensor, Tensor] | None = None
+    impl: str = "auto"  # "triton" on CUDA; "torch" = the twin (CPU checks)
+    window: int | None = None  # sliding window
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: Tensor  # (T,) int64: the cache slot each new token's K/V is written to
     causal: list[CausalGroup] = field(default_factory=list)
     padded: PaddedGroup | None = None
     scale: float | None = None
+    # Set by the step runner: attention runs as ONE paged kernel over block tables
+    # (all slots valid: padding tokens write to the cache's trash slot).
+    kernel: PagedKernelArgs | None = None
 
 
 def build_padded_group(
@@ -105,6 +126,8 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> Tensor:
     """Write the new K/V into their slots, then attend.  Returns (T, nh, hd)."""
+    if meta.kernel is not None:
+        return _paged_kernel_attention(q, k, v, k_cache, v_cache, meta)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     nh, hd = q.shape[1], q.shape[2]
@@ -138,3 +161,23 @@ def paged_attention(
         else:
             out.index_copy_(0, p.q_flat_index, o[p.q_valid])
     return out
+
+
+def _paged_kernel_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                            meta: AttentionMetadata) -> Tensor:
+    from specserve.kernels.paged_attention import paged_attention as kernel_attention
+    from specserve.kernels.paged_attention import write_kv
+
+    a = meta.kernel
+    assert a is not None
+    if a.impl == "torch":  # every slot is valid (padding -> trash slot): no boolean masks, no sync
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    else:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, impl=a.impl)
+    scale = meta.scale if meta.scale is not None else q.shape[-1] ** -0.5
+    return kernel_attention(
+        q, k_cache, v_cache, a.block_tables, a.query_start, a.seq_lens, block_size=a.block_size, scale=scale,
+        sliding_window=a.window, max_query_len=a.max_query_len,
+        max_seq_len=a.max_seq_len, num_splits=a.num_splits, scratch=a.scratch, impl=a.impl,
+    )

@@ -1,5 +1,5 @@
 """The paged KV cache tensors (the data-plane half; accounting lives in
-``specserve.engine.kv_blocks``)."""
+``specserve.kv_blocks``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from torch import Tensor
 class KVCache:
     """K and V for every layer as flat slots: slot = block_id * block_size + offset.
 
-    Shape (layers, 2, num_blocks * block_size, kv_heads, head_dim); a layer's
-    K and V are contiguous views, so writes are one index_copy_ per step.
+    Shape (layers, 2, (num_blocks + 1) * block_size, kv_heads, head_dim); a
+    layer's K and V are contiguous views, so writes are one index_copy_ per step.
+    The extra block is never handed out: ``trash_slot`` lies in it, and padding
+    tokens of fixed-shape (graph-captured) steps write their K/V there.
     """
 
     def __init__(
@@ -26,8 +28,9 @@ class KVCache:
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.trash_slot = num_blocks * block_size
         self.data = torch.zeros(
-            num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            num_layers, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
 
         self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]

@@ -1,14 +1,19 @@
-"""Model runner: turns per-sequence inputs into one flattened forward.
+"""Model runner: runs one ``StepBatch`` (the step contract, ``executor.batch``)
+as one flattened forward.
 
 It owns the model and its KV cache tensors; callers (the engine, the draft
-proposer) only pass token ids, positions and block tables.
+proposer) only pass token ids, positions and block tables.  Backends behind
+the one interface (``execute``): the persistent-buffer step runner with CUDA
+graphs (``executor.static_runner``, what CUDA uses), torch on the CPU, and the
+fused CPU decoder.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -16,19 +21,15 @@ from torch import Tensor
 from specserve.config import CPU_KERNELS
 from specserve.errors import ConfigError
 from specserve.executor.attention import AttentionMetadata, CausalGroup, build_padded_group
+from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, default_cache_dir
 from specserve.executor.models.llama import can_prepack
 
+if TYPE_CHECKING:
+    from specserve.executor.static_runner import StaticStepRunner
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SeqInput:
-    token_ids: list[int]  # the new tokens to run (prefill chunk, or pending token + drafts)
-    start_pos: int  # tokens of this sequence already in the KV cache
-    block_table: list[int]  # must cover start_pos + len(token_ids) positions
-    logits_offsets: list[int] = field(default_factory=list)  # offsets in token_ids whose logits are wanted
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ModelRunner:
         cpu_kernel: str = "torch",
         fused_max_tokens: int | None = None,
         cache_dir: Path | None = None,
+        static: "StaticStepRunner | None" = None,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -61,8 +63,9 @@ class ModelRunner:
         self.device = loaded.device
         self.min_causal_len = min_causal_len
         self.fused_max_tokens = fused_max_tokens
-        self.fused = self._fused_decoder(cpu_kernel, cache_dir)
-        if self.fused is None and can_prepack(loaded.dtype, loaded.device):
+        self.static = static  # the persistent-buffer step runner (CUDA); it runs every step
+        self.fused = None if static is not None else self._fused_decoder(cpu_kernel, cache_dir)
+        if static is None and self.fused is None and can_prepack(loaded.dtype, loaded.device):
             self.model.prepack()
 
     def _fused_decoder(self, mode: str, cache_dir: Path | None):
@@ -85,77 +88,66 @@ class ModelRunner:
             log.warning("fused CPU decoder unavailable (%s): bf16 runs on the slower torch path", e)
             return None
 
-    def _metadata(self, seqs: list[SeqInput]) -> tuple[AttentionMetadata, Tensor, Tensor, list[int]]:
+    def _metadata(self, batch: StepBatch) -> tuple[AttentionMetadata, Tensor, Tensor]:
         bs = self.kv.block_size
         window = self.loaded.arch.sliding_window
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        starts: list[int] = []
         causal: list[CausalGroup] = []
         pq_starts, pq_lens, p_ctx, p_tables = [], [], [], []
-        for s in seqs:
-            n = len(s.token_ids)
-            start_t = len(ids)
-            starts.append(start_t)
-            ids.extend(s.token_ids)
-            for p in range(s.start_pos, s.start_pos + n):
-                pos.append(p)
-                slots.append(s.block_table[p // bs] * bs + p % bs)
-            fresh = s.start_pos == 0 and n >= self.min_causal_len and (window is None or n <= window)
+        qs = batch.query_start
+        for b, ctx in enumerate(batch.seq_lens):
+            start_t, n = qs[b], qs[b + 1] - qs[b]
+            fresh = ctx == n and n >= self.min_causal_len and (window is None or n <= window)
             if fresh:
                 causal.append(CausalGroup(start=start_t, length=n))
             else:
                 pq_starts.append(start_t)
                 pq_lens.append(n)
-                p_ctx.append(s.start_pos + n)
-                p_tables.append(s.block_table)
+                p_ctx.append(ctx)
+                p_tables.append(batch.block_tables[b])
         dev = self.device
         padded = None
         if pq_lens:
             padded = build_padded_group(pq_starts, pq_lens, p_ctx, p_tables, bs, window, dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), causal=causal, padded=padded
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=dev), causal=causal, padded=padded
         )
-        return meta, torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), starts
+        ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=dev)
+        return meta, ids, torch.tensor(batch.positions, dtype=torch.int64, device=dev)
+
+    def forward(self, seqs: list[SeqInput], aux_layer_ids: tuple[int, ...] = ()) -> ForwardOutput:
+        """Convenience for callers that think per sequence (the draft proposer, tests)."""
+        return self.execute(StepBatch.from_inputs(seqs, self.kv.block_size), aux_layer_ids)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqInput], aux_layer_ids: tuple[int, ...] = ()) -> ForwardOutput:
-        if self.fused is not None and (
-            self.fused_max_tokens is None or sum(len(s.token_ids) for s in seqs) <= self.fused_max_tokens
-        ):
-            return self._forward_fused(seqs, aux_layer_ids)
-        meta, input_ids, positions, starts = self._metadata(seqs)
+    def execute(
+        self, batch: StepBatch, aux_layer_ids: tuple[int, ...] = (), device_token_ids: Tensor | None = None
+    ) -> ForwardOutput:
+        """Run ``batch``.  ``device_token_ids`` (T,) on the runner's device replace
+        ``batch.token_ids`` (a drafter feeding back its own samples)."""
+        if self.static is not None:  # aux layers were fixed when its graphs were captured
+            res = self.static.run(batch, device_token_ids)
+            return ForwardOutput(logits=res.logits, hidden=res.hidden, aux=res.aux, row_offsets=batch.row_offsets)
+        if device_token_ids is not None:
+            batch.token_ids = device_token_ids.tolist()
+        if self.fused is not None and (self.fused_max_tokens is None or batch.num_tokens <= self.fused_max_tokens):
+            return self._execute_fused(batch, aux_layer_ids)
+        meta, input_ids, positions = self._metadata(batch)
         hidden, aux = self.model(input_ids, positions, meta, self.kv, aux_layer_ids)
-        rows: list[int] = []
-        row_offsets: list[int] = []
-        for s, st in zip(seqs, starts):
-            row_offsets.append(len(rows))
-            rows.extend(st + o for o in s.logits_offsets)
+        rows = batch.logits_rows
         sel = hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)] if rows else hidden[:0]
-        return ForwardOutput(logits=self.model.compute_logits(sel), hidden=sel, aux=aux, row_offsets=row_offsets)
+        return ForwardOutput(logits=self.model.compute_logits(sel), hidden=sel, aux=aux, row_offsets=batch.row_offsets)
 
-    def _forward_fused(self, seqs: list[SeqInput], aux_layer_ids: tuple[int, ...]) -> ForwardOutput:
+    def _execute_fused(self, batch: StepBatch, aux_layer_ids: tuple[int, ...]) -> ForwardOutput:
         assert self.fused is not None
-        bs = self.kv.block_size
-        ids: list[int] = []
-        info: list[tuple[int, int, int]] = []
-        rows: list[int] = []
-        row_offsets: list[int] = []
-        for s in seqs:
-            n = len(s.token_ids)
-            if len(s.block_table) * bs < s.start_pos + n:
-                raise ValueError(f"block table covers {len(s.block_table) * bs} positions, needs {s.start_pos + n}")
-            row_offsets.append(len(rows))
-            rows.extend(len(ids) + o for o in s.logits_offsets)
-            info.append((len(ids), n, s.start_pos))
-            ids.extend(s.token_ids)
-        hidden, aux = self.fused.forward(ids, info, [s.block_table for s in seqs], aux_layer_ids)
+        qs = batch.query_start
+        info = [(qs[b], qs[b + 1] - qs[b], batch.seq_lens[b] - (qs[b + 1] - qs[b])) for b in range(batch.num_seqs)]
+        hidden, aux = self.fused.forward(batch.token_ids, info, batch.block_tables, aux_layer_ids)
+        rows = batch.logits_rows
         sel = hidden[torch.tensor(rows, dtype=torch.int64)] if rows else hidden[:0]
         dtype = self.loaded.dtype
         return ForwardOutput(
             logits=self.fused.logits(sel),
             hidden=sel.to(dtype),
             aux={i: t.to(dtype) for i, t in aux.items()},
-            row_offsets=row_offsets,
+            row_offsets=batch.row_offsets,
         )

@@ -1,7 +1,15 @@
 """The proposer protocol and the registry keyed by ``method.method``.
 
-A proposer sees only its own config section and the engine-side sequences;
-adding a method is a new module that calls ``register`` plus a YAML preset.
+A leaf module: it imports nothing of the engine.  A proposer sees only its own
+config section and a read-only view of each sequence; adding a method is a new
+module that calls ``register`` plus a YAML preset.
+
+When proposers run: AFTER verification.  Each engine step runs one target
+forward, verifies, commits the accepted tokens, and then asks the proposer for
+the drafts of every request that decodes next, handing it that forward's
+output, so a proposer conditioned on the target (EAGLE, MTP) reads the target's
+hidden states of the positions just committed (``DraftRequest.hidden_rows``).
+The drafts are verified in the next step.
 """
 
 from __future__ import annotations
@@ -12,14 +20,30 @@ from typing import Any, Callable, Protocol
 from torch import Tensor
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.sequence import Sequence
 from specserve.errors import ConfigError
+
+
+class SeqView(Protocol):
+    """What a proposer may read of a sequence (``engine.sequence.Sequence`` is one)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + output so far (the committed tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def finished(self) -> bool: ...
 
 
 @dataclass
 class DraftRequest:
-    seq: Sequence
-    max_drafts: int  # 1..K: room left before max_tokens / max_model_len
+    seq: SeqView
+    max_drafts: int  # 1..K: drafts wanted for the next step (room before max_model_len)
+    # Rows of the step's forward (its T axis: ForwardOutput.aux[layer][row]) that hold
+    # the target's states of this sequence's tokens fed in that step and committed,
+    # in position order; None when the sequence was not in the forward.
+    hidden_rows: range | None = None
 
 
 @dataclass
@@ -31,7 +55,13 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    def propose(self, requests: list[DraftRequest]) -> Proposal: ...
+    # Layers whose INPUT residual stream the proposer reads from each target forward
+    # (EAGLE-3's low/mid/high features); () = none.  Read once by the engine.
+    aux_layer_ids: tuple[int, ...]
+
+    def propose(self, requests: list[DraftRequest], step: Any = None) -> Proposal:
+        """Drafts for the next step; ``step`` is the target forward just verified
+        (``executor.runner.ForwardOutput``: logits/hidden by logits row, aux by token row)."""
 
     def on_verified(self, seq: Sequence, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         """Called after verification: `num_tokens_before` tokens existed when the

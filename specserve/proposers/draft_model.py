@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.kv_blocks import BlockManager
+from specserve.kv_blocks import BlockManager
 from specserve.errors import ConfigError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model
-from specserve.executor.runner import ModelRunner, SeqInput
+from specserve.executor.batch import SeqInput, StepBatch
+from specserve.executor.runner import ModelRunner
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
 
 
@@ -31,45 +32,107 @@ class _DraftState:
 
 
 class DraftModelProposer:
+    aux_layer_ids: tuple[int, ...] = ()
+
     def __init__(
         self, draft: LoadedModel, k: int, num_blocks: int, block_size: int, cpu_kernel: str = "torch",
-        fused_max_tokens: int | None = None,
+        fused_max_tokens: int | None = None, max_num_seqs: int = 32, cuda_graphs: bool = True,
+        max_step_tokens: int = 2048,
     ):
         self.k = k
+        self.max_step_tokens = max(max_step_tokens, max_num_seqs)  # tokens per draft forward
         self.blocks = BlockManager(num_blocks, block_size)
         kv = KVCache(draft.arch.num_layers, num_blocks, block_size, draft.arch.num_kv_heads,
                      draft.arch.head_dim, draft.dtype, draft.device)
-        self.runner = ModelRunner(draft, kv, cpu_kernel=cpu_kernel, fused_max_tokens=fused_max_tokens)
+        static = None
+        if draft.device.type == "cuda":  # the draft's K single-token steps replay decode graphs
+            from specserve.executor.static_runner import StaticStepRunner
+
+            static = StaticStepRunner(draft, kv, max_num_seqs=max_num_seqs, max_num_tokens=self.max_step_tokens,
+                                      graph_query_lens=(1,), use_graphs=cuda_graphs)  # fmt: skip
+            static.capture(progress=False)
+        self.runner = ModelRunner(draft, kv, cpu_kernel=cpu_kernel, fused_max_tokens=fused_max_tokens, static=static)
         self.states: dict[str, _DraftState] = {}
 
-    def propose(self, requests: list[DraftRequest]) -> Proposal:
+    def propose(self, requests: list[DraftRequest], step=None) -> Proposal:
+        """Catch each request up on the tokens its draft cache has not seen, then draft
+        greedily.  The drafter's own samples are fed back on the device: the K-step loop
+        reads nothing back until the drafts are complete (one copy at the end)."""
         drafts: list[list[int]] = [[] for _ in requests]
-        active: list[int] = []  # indices of requests still drafting
+        active: list[int] = []  # indices of requests drafting
         inputs: list[SeqInput] = []
         for i, r in enumerate(requests):
+            if r.max_drafts < 1:
+                continue
             st = self.states.setdefault(r.seq.request_id, _DraftState())
             toks = r.seq.token_ids
             n_total = len(toks) + r.max_drafts - 1  # cache positions this round writes
-            if r.max_drafts < 1 or not self.blocks.ensure(st.block_table, n_total):
-                continue  # no room: this request gets no drafts this step
+            if not self.blocks.ensure(st.block_table, n_total):
+                continue  # no room: this request gets no drafts this round
             new = toks[st.num_computed :]
             inputs.append(SeqInput(new, st.num_computed, st.block_table, [len(new) - 1]))
             active.append(i)
-        step = 0
-        while active:
-            out = self.runner.forward(inputs)
-            next_tokens = out.logits.argmax(dim=-1).tolist()
-            still, nxt_inputs = [], []
-            for j, i in enumerate(active):
-                r, st = requests[i], self.states[requests[i].seq.request_id]
-                st.num_computed = inputs[j].start_pos + len(inputs[j].token_ids)
-                drafts[i].append(next_tokens[j])
-                if len(drafts[i]) < r.max_drafts:
-                    still.append(i)
-                    nxt_inputs.append(SeqInput([next_tokens[j]], st.num_computed, st.block_table, [0]))
-            active, inputs = still, nxt_inputs
+        if not active:
+            return Proposal(token_ids=drafts)
+        bs = self.runner.kv.block_size
+        tokens = self._catch_up(inputs)  # (B,) on the device
+        columns = [(active, tokens)]
+        for j, i in enumerate(active):
+            st = self.states[requests[i].seq.request_id]
+            st.num_computed = inputs[j].start_pos + len(inputs[j].token_ids)
+        step = 1
+        while True:
+            keep = [n for n, i in enumerate(active) if requests[i].max_drafts > step]
+            if not keep:
+                break
+            if len(keep) < len(active):  # a request ran out of room (max_model_len)
+                tokens = tokens[torch.tensor(keep, device=tokens.device)]
+                active = [active[n] for n in keep]
+            seqs = []
+            for i in active:
+                st = self.states[requests[i].seq.request_id]
+                seqs.append(SeqInput([0], st.num_computed, st.block_table, [0]))
+                st.num_computed += 1
+            out = self.runner.execute(StepBatch.from_inputs(seqs, bs), device_token_ids=tokens)
+            tokens = out.logits.argmax(dim=-1)
+            columns.append((active, tokens))
             step += 1
+        host = [t.tolist() for _, t in columns]  # the loop's only device -> host reads
+        for (rows, _), values in zip(columns, host):
+            for i, t in zip(rows, values):
+                drafts[i].append(t)
         return Proposal(token_ids=drafts)
+
+    def _catch_up(self, inputs: list[SeqInput]):
+        """Run the unseen tokens (whole prompts for new requests) in forwards of at most
+        ``max_step_tokens`` tokens; returns the argmax after each sequence's last token."""
+        if sum(len(s.token_ids) for s in inputs) <= self.max_step_tokens:
+            return self.runner.forward(inputs).logits.argmax(dim=-1)
+        cap = self.max_step_tokens
+        last: list = [None] * len(inputs)
+        pending = [(j, s.token_ids, s.start_pos) for j, s in enumerate(inputs)]
+        while pending:
+            chunk, owners, budget, rest = [], [], cap, []
+            for j, toks, start in pending:
+                if budget <= 0:
+                    rest.append((j, toks, start))
+                    continue
+                part = toks[:budget]
+                done = len(part) == len(toks)
+                chunk.append(SeqInput(part, start, inputs[j].block_table, [len(part) - 1] if done else []))
+                owners.append(j if done else None)
+                if not done:
+                    rest.append((j, toks[len(part):], start + len(part)))
+                budget -= len(part)
+            out = self.runner.forward(chunk)
+            argmax = out.logits.argmax(dim=-1)
+            n = 0
+            for j in owners:
+                if j is not None:
+                    last[j] = argmax[n : n + 1]
+                    n += 1
+            pending = rest
+        return torch.cat(last)
 
     def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         st = self.states.get(seq.request_id)
@@ -116,4 +179,6 @@ def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
     return DraftModelProposer(
         draft, spec.num_speculative_tokens, ctx.num_kv_blocks, ctx.engine.block_size,
         cpu_kernel=ctx.engine.cpu_kernel, fused_max_tokens=ctx.engine.cpu_fused_max_tokens,
+        max_num_seqs=ctx.engine.max_num_seqs, cuda_graphs=ctx.engine.cuda_graphs != "off",
+        max_step_tokens=ctx.engine.max_num_batched_tokens,
     )

@@ -30,12 +30,14 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int
 
 
 class NgramProposer:
+    aux_layer_ids: tuple[int, ...] = ()
+
     def __init__(self, spec: SpeculativeConfig):
         self.n_min = spec.prompt_lookup_min or 5
         self.n_max = spec.prompt_lookup_max or self.n_min
         self.k = spec.num_speculative_tokens
 
-    def propose(self, requests: list[DraftRequest]) -> Proposal:
+    def propose(self, requests: list[DraftRequest], step=None) -> Proposal:
         out = []
         for r in requests:
             toks = np.asarray(r.seq.token_ids, dtype=np.int64)

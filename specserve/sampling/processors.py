@@ -155,7 +155,8 @@ def logits_to_probs(logits: Tensor, st: SamplingTensors) -> Tensor:
     if st.any_min_p:
         p_max = probs.amax(dim=-1, keepdim=True)  # [N, 1]
         probs = probs.masked_fill(probs < st.min_p[:, None] * p_max, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        # Renormalise only the rows min-p touched: a row's bits must not depend on its neighbours.
+        probs = torch.where((st.min_p > 0)[:, None], probs / probs.sum(dim=-1, keepdim=True), probs)
     if st.any_greedy:
         probs = torch.where(st.greedy[:, None], _one_hot_argmax(logits), probs)
     return probs

@@ -68,7 +68,7 @@ def test_engine_failure_fails_requests_and_health(aengine):
     def boom(*a, **k):
         raise RuntimeError("device lost")
 
-    aengine.engine.runner.forward = boom
+    aengine.engine.runner.execute = boom
     outs = asyncio.run(_collect(aengine, "c", [5, 6, 7], greedy(8)))
     assert outs[-1].finished and outs[-1].error and "device lost" in outs[-1].error
     assert not aengine.healthy

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine.kv_blocks import BlockManager
+from specserve.kv_blocks import BlockManager
 
 
 def test_ensure_trim_free_roundtrip():

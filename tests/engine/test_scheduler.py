@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from specserve.engine.kv_blocks import BlockManager
+from specserve.kv_blocks import BlockManager
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.request import SamplingParams
@@ -18,10 +18,26 @@ def test_prefill_then_decode_reserves_draft_room():
     (item,) = out.scheduled
     assert item.num_new_tokens == 6 and item.sample and item.draft_room == 0
     s.commit(a, 6)
-    a.token_ids.append(9)  # the sampled token is pending
+    a.token_ids.append(9)  # the sampled token is pending ...
+    a.draft_token_ids = [1, 2, 3, 4]  # ... with the drafts proposed after verification
     (item,) = s.schedule().scheduled
-    assert item.num_new_tokens == 1 and item.draft_room == 3
+    assert item.num_new_tokens == 1 and item.draft_room == 3  # at most K
     assert len(a.block_table) == 3  # 7 tokens + 3 drafts = 10 positions
+
+
+def test_no_pending_drafts_no_draft_room():
+    s = Scheduler(BlockManager(16, 4), 4, 64, num_lookahead=3, max_model_len=64)
+    a = seq("a", 6)
+    s.add(a)
+    s.schedule()
+    s.commit(a, 6)
+    a.token_ids.append(9)
+    a.draft_token_ids = [1]
+    (item,) = s.schedule().scheduled
+    assert item.draft_room == 1 and len(a.block_table) == 2  # 7 tokens + 1 draft
+    a.draft_token_ids = []
+    (item,) = s.schedule().scheduled
+    assert item.draft_room == 0
 
 
 def test_draft_room_respects_max_model_len_not_max_tokens():
@@ -31,6 +47,7 @@ def test_draft_room_respects_max_model_len_not_max_tokens():
     s.schedule()
     s.commit(a, 7)
     a.token_ids.append(9)
+    a.draft_token_ids = [1, 2, 3, 4, 5]
     (item,) = s.schedule().scheduled
     assert item.draft_room == 1  # max_model_len 10: 8 tokens + 1 draft + 1 emitted
     b = seq("b", 3, max_tokens=1)
@@ -38,6 +55,7 @@ def test_draft_room_respects_max_model_len_not_max_tokens():
     s.schedule()
     s.commit(b, 3)
     b.token_ids.append(9)
+    b.draft_token_ids = [1, 2, 3, 4, 5]
     items = {i.seq.request_id: i for i in s.schedule().scheduled}
     assert items["b"].draft_room == 5  # a full round even though max_tokens is reached
 

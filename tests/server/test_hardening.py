@@ -320,7 +320,7 @@ MARK = ["w1 w1 w1"]
 
 STAGES = {
     "admission": (Scheduler, "add", lambda orig: lambda self, seq: _raise() if seq.params.stop == MARK else orig(self, seq)),
-    "seeding": (LLMEngine, "_seeded_generator", lambda orig: lambda self, p: _raise() if p.seed == 4242 else orig(self, p)),
+    "seeding": (LLMEngine, "_request_seed", lambda orig: lambda self, p: _raise() if p.seed == 4242 else orig(self, p)),
     "sampling tensors": (LLMEngine, "_sampling_row", lambda orig: staticmethod(lambda p: _raise() if p.max_tokens == 13 else orig(p))),
     "detokenization": (IncrementalDetokenizer, "_decode_new", lambda orig: lambda self, final: _raise() if self.stop == MARK else orig(self, final)),
     "stop matching": (IncrementalDetokenizer, "_cut_at_stop", lambda orig: lambda self, start: _raise() if self.stop == MARK else orig(self, start)),

@@ -1,0 +1,149 @@
+"""How many drafts to verify per step (pure Python): speculation that never loses.
+
+``fixed``: always K (``method.num_speculative_tokens``).  ``adaptive``: each
+step picks k in {0} + candidates (the verification sizes the runner has
+captured, so graphs stay full) that maximises the expected tokens per second
+of the next step:
+
+    tokens(k) = B * E(k),  E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
+    time(k)   = step(B, k+1) + propose(k)
+
+where a_j is the measured probability that draft j is accepted given drafts
+1..j-1 were (counts per position, decayed), step(B, q) the measured wall time
+of a step with batch bucket B and q tokens per sequence (seeded from timed
+graph replays when the runner has them, else learned online; an unmeasured q
+is assumed to cost what q=1 costs, so it gets tried), and propose(k) the
+measured time of proposing k drafts.  k = 0 turns speculation off; while off,
+every ``probe_every`` steps run K once so acceptance and costs stay current.
+The choice is exported as a gauge and logged when it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+DECAY = 0.98  # per observed step: acceptance and cost estimates follow drift over ~50 steps
+
+
+def bucket_of(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclass
+class _Ema:
+    value: float | None = None
+    alpha: float = 0.2
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+@dataclass
+class SpecController:
+    k_max: int
+    adaptive: bool = False
+    candidates: tuple[int, ...] = ()
+    probe_every: int = 32
+    step_cost: dict[tuple[int, int], _Ema] = field(default_factory=dict)
+    propose_cost: dict[int, _Ema] = field(default_factory=dict)
+    reached: list[float] = field(default_factory=list)  # drafts that reached position i
+    accepted: list[float] = field(default_factory=list)  # ... and were accepted there
+    chosen: int = 0
+    _steps_off: int = 0
+    _last_k: int | None = None
+
+    def __post_init__(self) -> None:
+        self.candidates = tuple(sorted({k for k in (self.candidates or range(1, self.k_max + 1)) if 1 <= k <= self.k_max}))
+        self.reached = [0.0] * self.k_max
+        self.accepted = [0.0] * self.k_max
+        self.chosen = self.k_max
+
+    # ------------------------------------------------------------------ observations
+    def seed_costs(self, table: dict[tuple[int, int], float]) -> None:
+        """Costs per (batch bucket, q) measured up front (timed CUDA graph replays)."""
+        for key, seconds in table.items():
+            self.step_cost.setdefault(key, _Ema()).add(seconds)
+
+    def observe_step(self, batch_size: int, q: int | None, step_s: float, propose_s: float) -> None:
+        if batch_size == 0:
+            return
+        if q is not None:  # only fixed-shape steps say what a (bucket, q) costs
+            self.step_cost.setdefault((bucket_of(batch_size), q), _Ema()).add(step_s)
+        self.propose_cost.setdefault(self.chosen, _Ema()).add(propose_s)
+
+    def observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        """One request's verification: drafts 1..num_accepted were accepted, and draft
+        num_accepted + 1 (if drafted) was the first rejected."""
+        if num_drafts == 0:
+            return
+        for i in range(len(self.reached)):
+            self.reached[i] *= DECAY
+            self.accepted[i] *= DECAY
+        for i in range(min(num_drafts, num_accepted + 1)):
+            self.reached[i] += 1.0
+            if i < num_accepted:
+                self.accepted[i] += 1.0
+
+    # ------------------------------------------------------------------ decision
+    def expected_tokens(self, k: int) -> float:
+        """E(k) = 1 + sum over i <= k of P(drafts 1..i all accepted); an unseen
+        position is assumed to be accepted as often as the last seen one."""
+        total, run, last = 1.0, 1.0, 0.5
+        for i in range(k):
+            a = self.accepted[i] / self.reached[i] if self.reached[i] > 0.5 else last
+            last = a
+            run *= a
+            total += run
+        return total
+
+    def _cost(self, bucket: int, q: int) -> float | None:
+        ema = self.step_cost.get((bucket, q))
+        if ema is not None and ema.value is not None:
+            return ema.value
+        base = self.step_cost.get((bucket, 1))
+        return None if base is None else base.value
+
+    def choose(self, batch_size: int) -> int:
+        """K for the next step of a batch of ``batch_size`` decoding requests."""
+        if not self.adaptive or batch_size == 0:
+            k = self.k_max
+        else:
+            k = self._best(bucket_of(batch_size), batch_size)
+        if self.adaptive and k == 0:
+            self._steps_off += 1
+            if self._steps_off >= self.probe_every:  # look again: acceptance or costs may have moved
+                self._steps_off = 0
+                k = self.k_max
+        else:
+            self._steps_off = 0
+        if k != self._last_k and self._last_k is not None and self.adaptive:
+            log.info("speculation: %d drafts per step at batch %d (was %d)", k, batch_size, self._last_k)
+        self._last_k = self.chosen = k
+        return k
+
+    def _best(self, bucket: int, batch_size: int) -> int:
+        base = self._cost(bucket, 1)
+        if base is None:
+            return self.k_max  # nothing measured yet: speculate and learn
+        best_k, best_rate = 0, batch_size / (base + self._propose(0))
+        for k in self.candidates:
+            cost = self._cost(bucket, k + 1)
+            if cost is None:
+                continue
+            rate = batch_size * self.expected_tokens(k) / (cost + self._propose(k))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def _propose(self, k: int) -> float:
+        ema = self.propose_cost.get(k)
+        if ema is not None and ema.value is not None:
+            return ema.value
+        known = [e.value for kk, e in self.propose_cost.items() if kk > 0 and e.value is not None]
+        return 0.0 if k == 0 or not known else max(known)
