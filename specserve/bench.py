@@ -23,11 +23,12 @@ from typing import Any, Callable
 import torch
 
 from specserve.config import BenchConfig, Config
+from specserve.errors import ConfigError
 from specserve.data import bench_prompts
 from specserve.engine.engine import LLMEngine
 from specserve.engine.stats import RequestFinishedStats, StepStats
 from specserve.executor.loader import LoadedModel, default_cache_dir, load_model, resolve_device
-from specserve.executor.runner import SeqInput
+from specserve.executor.batch import SeqInput
 from specserve.request import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -193,11 +194,107 @@ def _weight_bytes(m: LoadedModel) -> int:
     return total
 
 
+def profile_steps(engine: LLMEngine, prompt: list[int], steps: int = 8) -> dict[str, Any]:
+    """Time single-request steps after the prefill: wall time per step and, on CUDA, the
+    device time and kernel launches per step (torch.profiler), so host overhead = wall -
+    device.  With a method the steps verify drafts (when the proposer has any)."""
+    k = engine.k
+    rid = f"profile-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=(steps + 4) * (k + 1) + 8, ignore_eos=True))
+    drafted: list[int] = []
+
+    class _Drafts:
+        def on_step(self, s: StepStats) -> None:
+            drafted.extend(r.num_draft_tokens for r in s.requests)
+
+        def on_request_finished(self, s: RequestFinishedStats) -> None:
+            pass
+
+    listener = _Drafts()
+    try:
+        while rid in engine.requests and not engine.requests[rid].seq.output_token_ids:
+            engine.step()  # prefill
+        for _ in range(2):
+            engine.step()  # warm up (graph replays, allocator)
+        engine.listeners.append(listener)
+        cuda = engine.target.device.type == "cuda"
+        prof = None
+        if cuda:
+            torch.cuda.synchronize()
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
+            prof.__enter__()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+        out: dict[str, Any] = {
+            "steps": steps, "wall_ms_per_step": wall * 1e3,
+            "mean_drafts_per_step": sum(drafted) / max(len(drafted), 1),
+        }
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            kernels = [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+            device_us = sum(e.time_range.elapsed_us() for e in kernels)
+            launches = sum(1 for e in prof.events() if e.name in ("cudaLaunchKernel", "cudaGraphLaunch",
+                                                                  "cuLaunchKernel", "cuLaunchKernelEx"))
+            graph = sum(1 for e in prof.events() if e.name == "cudaGraphLaunch")
+            out.update({
+                "device_ms_per_step": device_us / 1e3 / steps,
+                "host_ms_per_step": max(wall * 1e3 - device_us / 1e3 / steps, 0.0),
+                "kernels_per_step": len(kernels) / steps,
+                "host_launch_calls_per_step": launches / steps,
+                "graph_launches_per_step": graph / steps,
+            })
+            static = engine.runner.static
+            if static is not None and static.graphs:
+                out["graph_replay_ms"] = {f"b{b}_q{q}": t * 1e3 for (b, q), t in static.time_graphs(3).items()
+                                          if b == 1}
+        return out
+    finally:
+        if listener in engine.listeners:
+            engine.listeners.remove(listener)
+        engine.abort_request(rid)
+
+
+def load_prompts_file(path: str) -> list[str]:
+    """A JSON list of strings, or JSONL with a "prompt" field per line."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, list):
+        if not all(isinstance(x, str) for x in data):
+            raise ConfigError("bench.prompts_file", "a JSON list must hold strings only")
+        return data
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ConfigError("bench.prompts_file", f"line {n}: not JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise ConfigError("bench.prompts_file", f'line {n}: expected an object with a "prompt" string')
+        out.append(obj["prompt"])
+    if not out:
+        raise ConfigError("bench.prompts_file", "holds no prompts")
+    return out
+
+
 def select_prompts(engine: LLMEngine, b: BenchConfig, cache: Path | None) -> list[list[int]]:
-    """The benchmark's prompts: seeded ShareGPT first turns, chat-templated, that fit."""
+    """The benchmark's prompts (seeded ShareGPT first turns, or bench.prompts_file),
+    chat-templated unless bench.chat is false, that fit."""
     prompts: list[list[int]] = []
-    for t in bench_prompts(b.num_prompts, b.seed, cache):
-        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": t}])
+    texts = load_prompts_file(b.prompts_file) if b.prompts_file else bench_prompts(b.num_prompts, b.seed, cache)
+    for t in texts:
+        tok = engine.tokenizer
+        ids = tok.apply_chat_template([{"role": "user", "content": t}]) if b.chat else tok.encode(t)
         if len(ids) <= b.max_prompt_tokens and len(ids) + b.max_tokens < engine.max_model_len:
             prompts.append(ids)
         if len(prompts) == b.num_prompts:
@@ -289,6 +386,10 @@ def run_bench(cfg: Config) -> int:
         if a_ in runs and b_ in runs:
             ratios[f"{a_}_over_{b_}"] = runs[a_].tokens_per_second / runs[b_].tokens_per_second
     report["ratios"] = ratios
+    if b.profile_steps == "on" or (b.profile_steps == "auto" and device.type == "cuda"):
+        report["step_profile"] = {"decode": profile_steps(vanilla or engine, prompts[0])}
+        if cfg.method is not None:
+            report["step_profile"]["verification"] = profile_steps(engine, prompts[0])
     bw = measure_bandwidth_gbs(device)
     wb = _weight_bytes(target)
     floor_ms = wb / (bw["read"] * 1e9) * 1e3

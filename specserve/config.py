@@ -153,6 +153,13 @@ class BenchConfig:
     baselines: list[str] = field(default_factory=lambda: ["specserve_vanilla", "hf"])
     max_prompt_tokens: int = 512
     warmup: int = 1
+    # Your own prompts instead of ShareGPT: a JSON list of strings, or JSONL with a
+    # "prompt" field per line; chat-templated as a user turn when bench.chat is true.
+    prompts_file: Optional[str] = None
+    chat: bool = True
+    # Per-step breakdown (wall vs device time, kernels per step) of one decode step and
+    # one verification step; "auto" = on CUDA.
+    profile_steps: str = "auto"
 
 
 @dataclass
@@ -335,6 +342,12 @@ def validate_config(cfg: Config) -> Config:
         raise ConfigError("server.tls_cert_file", "TLS needs both server.tls_cert_file and server.tls_key_file")
     b = cfg.bench
     _choice("bench.dataset", b.dataset, ("sharegpt",))
+    _choice("bench.profile_steps", b.profile_steps, ("auto", "on", "off"))
+    if b.prompts_file is not None:
+        from pathlib import Path as _Path
+
+        if not _Path(b.prompts_file).is_file():
+            raise ConfigError("bench.prompts_file", f"{b.prompts_file} is not a file")
     _int("bench.num_prompts", b.num_prompts, 1)
     _int("bench.max_tokens", b.max_tokens, 1)
     _int("bench.concurrency", b.concurrency, 1)

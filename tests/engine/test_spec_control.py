@@ -1,0 +1,60 @@
+"""Adaptive speculation: the choice of K follows measured costs and acceptance."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.engine.spec_control import SpecController, bucket_of
+
+
+def test_fixed_mode_always_k():
+    c = SpecController(5, adaptive=False)
+    assert [c.choose(b) for b in (1, 8, 64)] == [5, 5, 5]
+
+
+def test_unmeasured_speculates_first():
+    c = SpecController(4, adaptive=True)
+    assert c.choose(1) == 4
+
+
+def test_expected_tokens_is_the_chain_formula():
+    c = SpecController(3, adaptive=True)
+    c.reached, c.accepted = [10.0, 8.0, 4.0], [8.0, 4.0, 1.0]
+    a = [0.8, 0.5, 0.25]
+    assert c.expected_tokens(0) == 1.0
+    assert c.expected_tokens(3) == pytest.approx(1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2])
+
+
+def test_cheap_verification_and_good_acceptance_choose_k():
+    c = SpecController(4, adaptive=True)
+    c.seed_costs({(1, q): 0.010 + 0.0005 * q for q in range(1, 6)})  # memory-bound: q costs little
+    c.reached, c.accepted = [100.0] * 4, [80.0] * 4
+    assert c.choose(1) == 4
+
+
+def test_expensive_verification_turns_speculation_off_and_probes_again():
+    c = SpecController(4, adaptive=True, probe_every=5)
+    c.seed_costs({(32, q): 0.010 * q for q in range(1, 6)})  # compute-bound at batch 32: q costs q x
+    c.reached, c.accepted = [100.0] * 4, [30.0, 30.0, 30.0, 30.0]
+    picks = [c.choose(32) for _ in range(10)]
+    assert picks[:4] == [0, 0, 0, 0]
+    assert 4 in picks  # a probe round every probe_every steps keeps the estimates fresh
+    assert c.choose(1) == 4  # nothing measured for bucket 1 yet: speculate
+
+
+def test_choice_depends_on_batch_bucket():
+    c = SpecController(4, adaptive=True)
+    c.seed_costs({(1, q): 0.010 + 0.0002 * q for q in range(1, 6)})
+    c.seed_costs({(64, q): 0.010 * q for q in range(1, 6)})
+    c.reached, c.accepted = [100.0] * 4, [60.0] * 4
+    assert c.choose(1) > 0 and c.choose(64) == 0
+
+
+def test_online_costs_learned_from_observed_steps():
+    c = SpecController(2, adaptive=True, candidates=(2,))
+    c.reached, c.accepted = [100.0, 100.0], [10.0, 10.0]  # drafts almost never accepted
+    for _ in range(20):
+        c.observe_step(4, 1, 0.010, 0.0)
+        c.observe_step(4, 3, 0.013, 0.002)
+    assert c.choose(4) == 0
+    assert bucket_of(3) == 4 and bucket_of(4) == 4 and bucket_of(5) == 8
