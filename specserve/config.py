@@ -98,6 +98,10 @@ class EngineConfig:
     # chosen per step from measured step costs and acceptance (0 switches speculation
     # off while it costs more than it saves); "auto" = adaptive on CUDA, fixed on the CPU.
     speculation: str = "auto"
+    # Predicted Outputs (a request's `prediction`): at most this many drafts per step
+    # come from the prediction.  The engine verifies up to max(method K, this) drafts
+    # per step, so predictions work with no method configured; 0 = ignore predictions.
+    num_prediction_tokens: int = 8
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     seed: int = 0
@@ -314,6 +318,9 @@ def validate_config(cfg: Config) -> Config:
         raise ConfigError("engine.gpu_memory_utilization", f"must be in (0, 1], got {u!r}")
     _choice("engine.cuda_graphs", e.cuda_graphs, CUDA_GRAPH_MODES)
     _choice("engine.speculation", e.speculation, SPECULATION_MODES)
+    _int("engine.num_prediction_tokens", e.num_prediction_tokens, 0)
+    if e.num_prediction_tokens > MAX_SPECULATIVE_TOKENS:
+        raise ConfigError("engine.num_prediction_tokens", f"must be <= {MAX_SPECULATIVE_TOKENS}, got {e.num_prediction_tokens}")
     _int("engine.max_num_seqs", e.max_num_seqs, 1)
     _int("engine.max_num_batched_tokens", e.max_num_batched_tokens, 1)
     if e.num_threads is not None:

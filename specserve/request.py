@@ -47,6 +47,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Predicted Outputs: the tokens of the output the client expects (OpenAI's
+    # `prediction`); drafted where the output follows them, never changing it.
+    prediction_token_ids: list[int] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +104,12 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids", f"every id must be < the vocabulary size ({vocab_size})")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", "must be a boolean")
+        if self.prediction_token_ids is not None:
+            p = self.prediction_token_ids
+            if not isinstance(p, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+                raise InvalidRequestError("prediction", "must be a list of non-negative integer token ids")
+            if vocab_size is not None and any(t >= vocab_size for t in p):
+                raise InvalidRequestError("prediction", f"every token id must be < the vocabulary size ({vocab_size})")
         return self
 
 
@@ -139,6 +148,10 @@ class SpecDecodeStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Predicted Outputs (OpenAI's usage.completion_tokens_details): drafted prediction
+    # tokens that appear in the output, and those verified that do not.
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:

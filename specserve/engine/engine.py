@@ -14,6 +14,7 @@ so the engine thread only runs the model).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.runner import ModelRunner
 from specserve.proposers import DraftRequest, Proposer, build_proposer
 from specserve.proposers.base import ProposerContext
+from specserve.proposers.prediction import PredictedOutputs
 from specserve.request import FinishReason, RequestOutput, SamplingParams
 from specserve.sampling.philox import random_seed, seed_to_int64
 from specserve.sampling.sampler import DeviceSampler
@@ -119,7 +121,10 @@ class LLMEngine:
         self.tokenizer = Tokenizer(target.tokenizer, target.eos_token_ids)
         self.max_model_len = target.max_model_len
         spec = cfg.method
-        self.k = spec.num_speculative_tokens if spec is not None else 0
+        self.method_k = spec.num_speculative_tokens if spec is not None else 0
+        # Predicted Outputs draft up to engine.num_prediction_tokens per step, with or without a method.
+        self.predictions = PredictedOutputs(e.num_prediction_tokens) if e.num_prediction_tokens > 0 else None
+        self.k = max(self.method_k, e.num_prediction_tokens)
         sizes = draft_sizes(self.k)
         cuda = target.device.type == "cuda"
         graphs = cuda and e.cuda_graphs != "off"
@@ -168,7 +173,7 @@ class LLMEngine:
         self.info = ModelInfo(
             model_name=cfg.model.name,
             method=spec.method if spec is not None else "none",
-            num_speculative_tokens=self.k,
+            num_speculative_tokens=self.method_k,
             max_model_len=self.max_model_len,
             dtype=str(target.dtype).removeprefix("torch."),
             device=str(target.device),
@@ -196,6 +201,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 "max_tokens",
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({self.max_model_len})",
+            )
+        pred = params.prediction_token_ids
+        if pred is not None and len(pred) > self.max_model_len:
+            raise InvalidRequestError(
+                "prediction", f"is {len(pred)} tokens, longer than the model's max_model_len ({self.max_model_len})"
             )
         need = self.blocks.blocks_for(n + params.max_tokens + self.k)
         if need > self.blocks.num_blocks:
@@ -270,6 +280,8 @@ class LLMEngine:
         for seq in sched.preempted:
             if self.proposer is not None:
                 self.proposer.remove(seq.request_id)
+            if self.predictions is not None:
+                self.predictions.remove(seq.request_id)
         if sched.empty:
             return []
         # Drafts were proposed after the previous verification; the scheduler sized them.
@@ -307,7 +319,7 @@ class LLMEngine:
     def _propose_next(self, scheduled: list[ScheduledSeq], batch: StepBatch, fwd, results) -> None:
         """Drafts for the next step, proposed now that this step is verified; a
         proposer conditioned on the target reads this forward's states by row."""
-        if self.proposer is None:
+        if self.proposer is None and self.predictions is None:
             return
         k = self.spec_control.choose(sum(1 for s in scheduled if s.sample and not s.seq.finished))
         reqs: list[DraftRequest] = []
@@ -327,10 +339,14 @@ class LLMEngine:
             reqs.append(DraftRequest(seq, max(room, 0), range(start, start + committed)))
         if not reqs:
             return
-        prop = self.proposer.propose(reqs, fwd)
-        for r, toks in zip(reqs, prop.token_ids):
+        if self.predictions is not None:
+            prop, from_prediction = self.predictions.propose(reqs, fwd, self.proposer, self.method_k)
+        else:
+            prop, from_prediction = self.proposer.propose(reqs, fwd), [0] * len(reqs)
+        for r, toks, n_pred in zip(reqs, prop.token_ids, from_prediction):
             if r.max_drafts > 0:
                 r.seq.draft_token_ids = list(toks[: r.max_drafts])
+                r.seq.num_prediction_drafts = n_pred
 
     def _verify(self, sampled, drafts_all, scheduled, fwd) -> list[tuple[list[int], int] | Exception]:
         """Per sampled seq: (emitted tokens, number of accepted drafts), or the exception
@@ -406,14 +422,19 @@ class LLMEngine:
                 seq.spec.num_draft_tokens += len(d)
                 seq.spec.num_accepted_tokens += a
                 self.spec_control.observe_drafts(len(d), a)
+            n_pred = min(seq.num_prediction_drafts, len(d))  # leading drafts from the request's prediction
             stage = "updating its draft state"
             try:
-                if self.proposer is not None:
-                    self.proposer.on_verified(seq, before, len(d), a)
+                if self.proposer is not None:  # drafts from a prediction are none of the method's
+                    self.proposer.on_verified(seq, before, 0 if n_pred else len(d), 0 if n_pred else a)
                 # K/V is valid for the fed tokens up to the pending one plus accepted drafts.
                 self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens + a)
                 stage = "matching its stop tokens"
                 new_ids, reason = self._append_tokens(seq, toks)
+                if n_pred:  # OpenAI's counts: prediction tokens that made it into the output, and the rest
+                    kept = min(a, n_pred, len(new_ids))
+                    seq.spec.num_accepted_prediction_tokens += kept
+                    seq.spec.num_rejected_prediction_tokens += n_pred - kept
                 if reason is not None:
                     self._finish(st, reason)
                 out = self._output(st, new_ids)
@@ -473,6 +494,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         if self.proposer is not None:
             self.proposer.remove(seq.request_id)
+        if self.predictions is not None:
+            self.predictions.remove(seq.request_id)
         self.requests.pop(seq.request_id, None)
         fin = RequestFinishedStats(
             request_id=seq.request_id, finish_reason=reason.value, num_prompt_tokens=seq.num_prompt_tokens,
@@ -490,7 +513,7 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_ids, new_text="", token_ids=[],
             text="", finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            spec=type(seq.spec)(seq.spec.num_drafts, seq.spec.num_draft_tokens, seq.spec.num_accepted_tokens),
+            spec=dataclasses.replace(seq.spec),
         )
 
     def _emit_step(self, stats: StepStats) -> None:

@@ -38,6 +38,8 @@ class Sequence:
     num_preemptions: int = 0
     # Drafts proposed after the last verification, to be verified by the next step.
     draft_token_ids: list[int] = field(default_factory=list)
+    # How many leading drafts of draft_token_ids came from the request's Predicted Output.
+    num_prediction_drafts: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -27,8 +27,8 @@ class Tokenizer:
             self._max_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1) or 1
         return self._max_token_chars
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf(text, add_special_tokens=True)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -131,6 +131,14 @@ class Frontend:
         self.check_length_bound("prompt", len(prompt))
         return await self.run_off_loop(self.tokenize_prompt, prompt)
 
+    async def tokenize_prediction_async(self, text: str) -> list[int] | None:
+        """Predicted Outputs: the expected output's tokens (no special tokens), or None for ""."""
+        check_text("prediction", text)
+        self.check_length_bound("prediction", len(text))
+        if text == "":
+            return None
+        return await self.run_off_loop(lambda: list(self.engine.tokenizer.encode(text, add_special_tokens=False)))
+
     async def tokenize_messages_async(self, messages: list[dict[str, str]]) -> list[int]:
         chars = 0
         for i, m in enumerate(messages):

@@ -62,7 +62,11 @@ def _response(request_id: str, text: str, token_ids: list[int], out: RequestOutp
         request_id=request_id,
         text=text,
         token_ids=token_ids,
-        usage=pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids)),
+        usage=pb.Usage(
+            prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids),
+            accepted_prediction_tokens=out.spec.num_accepted_prediction_tokens,
+            rejected_prediction_tokens=out.spec.num_rejected_prediction_tokens,
+        ),
     )
     if out.finished:
         msg.finish_reason = _FINISH.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
@@ -110,6 +114,7 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
         else:
             raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
         params = fe.make_params(sampling_fields(request.sampling_params))
+        params.prediction_token_ids = await fe.tokenize_prediction_async(request.prediction)
         return fe.prepare(request.request_id, ids, params)
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:

@@ -188,6 +188,27 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
+async def _prediction(fe: Frontend, body: dict[str, Any]) -> list[int] | None:
+    """Predicted Outputs: ``prediction: {"type": "content", "content": str | [text parts]}``
+    -> the prediction's token ids (None when absent or empty)."""
+    pred = body.get("prediction")
+    if pred is None:
+        return None
+    if not isinstance(pred, dict) or pred.get("type") != "content":
+        raise InvalidRequestError("prediction", 'must be {"type": "content", "content": <text or text parts>}')
+    content = pred.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError("prediction.content", "only text parts are supported")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif not isinstance(content, str):
+        raise InvalidRequestError("prediction.content", "must be a string or a list of text parts")
+    return await fe.tokenize_prediction_async(content)
+
+
 # --------------------------------------------------------------------------- response shapes
 
 
@@ -201,12 +222,16 @@ def _spec_decode(out: RequestOutput) -> dict[str, Any]:
     }
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
+def _usage(out: RequestOutput) -> dict[str, Any]:
     completion = len(out.token_ids)
     return {
         "prompt_tokens": out.num_prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": out.num_prompt_tokens + completion,
+        "completion_tokens_details": {  # Predicted Outputs, as OpenAI reports them
+            "accepted_prediction_tokens": out.spec.num_accepted_prediction_tokens,
+            "rejected_prediction_tokens": out.spec.num_rejected_prediction_tokens,
+        },
     }
 
 
@@ -324,6 +349,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     stream, include_usage = _common_checks(body)
     ids = await _completion_prompt(fe, body)
     params = _params(fe, body)
+    params.prediction_token_ids = await _prediction(fe, body)
     shape = _Shape(False, f"cmpl-{uuid.uuid4().hex}", fe.model_name)
     req = fe.prepare(shape.id, ids, params)
     return await _generate(request, req, shape, stream, include_usage)
@@ -336,6 +362,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream, include_usage = _common_checks(body)
     ids = await fe.tokenize_messages_async(_chat_messages(body))
     params = _params(fe, body)
+    params.prediction_token_ids = await _prediction(fe, body)
     shape = _Shape(True, f"chatcmpl-{uuid.uuid4().hex}", fe.model_name)
     req = fe.prepare(shape.id, ids, params)
     return await _generate(request, req, shape, stream, include_usage)
