@@ -76,8 +76,16 @@ class SpeculativeConfig:
 
 @dataclass
 class ParallelismConfig:
+    """Tensor parallelism of the target (and of a draft model): docs/parallelism.md."""
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Multi-node (LeaderWorkerSet): the port rank 0 hosts the rendezvous on.  One
+    # machine picks a free port itself; torchrun brings its own (MASTER_PORT).
+    master_port: int = 29500
+    # How long a rank waits on a stuck peer (a dead one is noticed at once): it must
+    # exceed the longest gap between ranks' model loads.
+    timeout_s: float = 600.0
 
 
 @dataclass
@@ -298,13 +306,33 @@ def validate_config(cfg: Config) -> Config:
     _int("parallelism.tensor_parallel_size", par.tensor_parallel_size, 1)
     _int("parallelism.pipeline_parallel_size", par.pipeline_parallel_size, 1)
     if par.pipeline_parallel_size != 1:
-        raise ConfigError("parallelism.pipeline_parallel_size", "only 1 is supported in this build")
+        if cfg.method is not None:
+            raise ConfigError(
+                "parallelism.pipeline_parallel_size",
+                f"pipeline parallelism with speculative decoding (+method={cfg.method.method}) is not supported; "
+                "use parallelism.tensor_parallel_size",
+            )
+        raise ConfigError(
+            "parallelism.pipeline_parallel_size", "only 1 is supported in this build; use parallelism.tensor_parallel_size"
+        )
     if cfg.method is not None:
         validate_speculative(cfg.method, par.tensor_parallel_size, cfg.draft)
-    if par.tensor_parallel_size != 1:
+        dtp = cfg.method.draft_tensor_parallel_size
+        if dtp is not None and dtp > 1 and cfg.method.method != "draft_model":
+            raise ConfigError(
+                "method.draft_tensor_parallel_size",
+                f"{cfg.method.method} drafts on rank 0 in this build: use 1 (only draft_model shards its draft)",
+            )
+    _int("parallelism.master_port", par.master_port, 1)
+    if par.master_port > 65535:
+        raise ConfigError("parallelism.master_port", f"must be <= 65535, got {par.master_port}")
+    t = par.timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise ConfigError("parallelism.timeout_s", f"must be a number of seconds > 0, got {t!r}")
+    if par.tensor_parallel_size > 1 and cfg.engine.cpu_kernel == "fused":
         raise ConfigError(
-            "parallelism.tensor_parallel_size",
-            f"{par.tensor_parallel_size} is not available in this build (single-device engine); use 1",
+            "engine.cpu_kernel",
+            "fused runs the whole model on one device; with parallelism.tensor_parallel_size > 1 use auto or torch",
         )
     e = cfg.engine
     _choice("engine.device", e.device, DEVICES)

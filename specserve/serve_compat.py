@@ -64,7 +64,7 @@ The vLLM-compatible form of `specserve`: options become Hydra overrides
   --port P                     HTTP port, the OpenAI API (server.http_port; 0 = any free port)
   --grpc-port P                gRPC port (server.grpc_port)
   --seed N                     engine.seed
-  -tp, --tensor-parallel-size  parallelism.tensor_parallel_size (1 in this build)
+  -tp, --tensor-parallel-size  parallelism.tensor_parallel_size
   --max-model-len N            model.max_model_len
   --dtype D                    model.dtype: auto, float32, bfloat16, float16 (half, float)
   --speculative-config JSON    e.g. '{{"method": "draft_model", "model": "<draft>", "num_speculative_tokens": 5}}'

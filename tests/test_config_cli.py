@@ -43,7 +43,10 @@ BAD = [
     (["engine.cpu_fused_max_tokens=0"], "engine.cpu_fused_max_tokens"),
     (["server.grpc_port=70000"], "server.grpc_port"),
     (["server.tls_cert_file=/x.pem"], "server.tls_cert_file"),
-    (["parallelism=tp2"], "parallelism.tensor_parallel_size"),
+    (["parallelism.tensor_parallel_size=0"], "parallelism.tensor_parallel_size"),
+    (["parallelism.pipeline_parallel_size=2"], "parallelism.pipeline_parallel_size"),
+    (["parallelism=tp2", "engine.cpu_kernel=fused"], "engine.cpu_kernel"),
+    (["parallelism.timeout_s=0"], "parallelism.timeout_s"),
     (["bench.dataset=alpaca"], "bench.dataset"),
     (["nonsense_key=1"], "nonsense_key"),
 ]

@@ -99,7 +99,7 @@ def test_removed_vllm_flags_say_what_to_use_instead(flag):
     (["--speculative-config", '{"method": "ngram", "bogus": 1}'], "method.bogus: Key 'bogus' not in"),
     (["--speculative-config", '{"method": "ngram", "temperature": 0.7}'], "method.temperature: is not a valid key here"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "method.num_speculative_tokens: must be >= 1"),
-    (["-tp", "2"], "parallelism.tensor_parallel_size: 2 is not available in this build"),
+    (["-tp", "0"], "parallelism.tensor_parallel_size: must be >= 1"),
     (["--max-model-len"], "--max-model-len needs a value"),
     (["--dry-run=yes"], "--dry-run takes no value"),
     (["other-model"], "one model only"),

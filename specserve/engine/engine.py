@@ -35,6 +35,7 @@ from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model, resolve_device
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.runner import ModelRunner
+from specserve.parallel.plan import draft_tensor_parallel_size
 from specserve.proposers import DraftRequest, Proposer, build_proposer
 from specserve.proposers.base import ProposerContext
 from specserve.proposers.prediction import PredictedOutputs
@@ -54,6 +55,9 @@ class ModelInfo:
     dtype: str
     device: str
     lossless: bool
+    # Layout (specserve.parallel): ranks the target is sharded over, and the draft model's.
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -114,6 +118,11 @@ class LLMEngine:
         if e.num_threads is not None:
             torch.set_num_threads(e.num_threads)
         device = resolve_device(e.device)
+        tp = cfg.parallelism.tensor_parallel_size
+        if target is None and tp > 1:  # rank 0 of a tensor-parallel group (started here if need be)
+            from specserve.parallel.launch import load_target
+
+            target = load_target(cfg)
         if target is None:
             m = cfg.model
             target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir, cpu_kernel=e.cpu_kernel)
@@ -127,7 +136,8 @@ class LLMEngine:
         self.k = max(self.method_k, e.num_prediction_tokens)
         sizes = draft_sizes(self.k)
         cuda = target.device.type == "cuda"
-        graphs = cuda and e.cuda_graphs != "off"
+        single = getattr(target, "tp", None) is None  # TP runs eager torch (no static runner or graphs)
+        graphs = cuda and single and e.cuda_graphs != "off"
         num_blocks = _num_blocks(cfg, target, e.max_num_seqs * (1 + self.k) if graphs else 0)
         a = target.arch
         self.kv = KVCache(a.num_layers, num_blocks, e.block_size, a.num_kv_heads, a.head_dim, target.dtype, target.device)
@@ -143,7 +153,7 @@ class LLMEngine:
                 )
         self.aux_layer_ids: tuple[int, ...] = tuple(getattr(self.proposer, "aux_layer_ids", ()) or ())
         static = None
-        if cuda:  # the GPU data path: persistent buffers, the paged Triton kernel, graphs per bucket
+        if cuda and single:  # the GPU data path: persistent buffers, the paged Triton kernel, graphs per bucket
             from specserve.executor.static_runner import StaticStepRunner
 
             static = StaticStepRunner(
@@ -178,6 +188,8 @@ class LLMEngine:
             dtype=str(target.dtype).removeprefix("torch."),
             device=str(target.device),
             lossless=spec is None or spec.rejection_sample_method != "synthetic",
+            tensor_parallel_size=1 if single else target.tp.size,
+            draft_tensor_parallel_size=1 if single else draft_tensor_parallel_size(spec, target.tp.size),
         )
 
     # ------------------------------------------------------------ requests

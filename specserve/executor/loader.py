@@ -41,6 +41,9 @@ class LoadedModel:
     device: torch.device
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    # Tensor parallelism: this rank's ``specserve.parallel.shard.Shard`` (its slices, its
+    # process group); ``arch`` then holds the rank's heads and MLP slice. None = one device.
+    tp: Any = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -225,7 +228,9 @@ def load_model(
     cache_dir: str | None = None,
     key: str = "model",
     cpu_kernel: str = "auto",
+    tp: Any = None,
 ) -> LoadedModel:
+    """``tp``: a ``specserve.parallel.loading.ShardSpec``: load only this rank's slices."""
     from transformers import AutoConfig, AutoTokenizer
 
     hf_dir = resolve_hf_dir(path, cache_dir)
@@ -248,10 +253,13 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"{key}.path: cannot load the tokenizer from {hf_dir}: {e}") from e
-    with torch.device("meta"):
-        model = LlamaModel(arch, hf_config, 1)
-    weights = fuse_llama_weights(read_state_dict(hf_dir), arch)
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True, assign=True)
+    if tp is not None:  # tensor parallel: this rank's slices of the checkpoint only
+        model, arch = tp.build(hf_dir, hf_config, arch, dtype)
+    else:
+        with torch.device("meta"):
+            model = LlamaModel(arch, hf_config, 1)
+        weights = fuse_llama_weights(read_state_dict(hf_dir), arch)
+        model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True, assign=True)
     model.rotary = Rotary(hf_config, mml)
     model = model.to(device).eval().requires_grad_(False)
     return LoadedModel(
@@ -264,4 +272,5 @@ def load_model(
         device=device,
         max_model_len=mml,
         eos_token_ids=_eos_ids(hf_dir, tokenizer, hf_config),
+        tp=getattr(model, "shard", None),
     )

@@ -64,9 +64,15 @@ class ModelRunner:
         self.min_causal_len = min_causal_len
         self.fused_max_tokens = fused_max_tokens
         self.static = static  # the persistent-buffer step runner (CUDA); it runs every step
-        self.fused = None if static is not None else self._fused_decoder(cpu_kernel, cache_dir)
+        # Tensor parallelism (specserve.parallel): the torch path on every rank; rank 0
+        # broadcasts each step to the workers before running its own shard.
+        self.tp = getattr(loaded, "tp", None)
+        single = self.tp is None
+        self.fused = None if static is not None or not single else self._fused_decoder(cpu_kernel, cache_dir)
         if static is None and self.fused is None and can_prepack(loaded.dtype, loaded.device):
             self.model.prepack()
+        if not single:
+            self.tp.attach(self)  # the workers build their KV caches with the same blocks
 
     def _fused_decoder(self, mode: str, cache_dir: Path | None):
         if mode not in CPU_KERNELS:
@@ -124,6 +130,8 @@ class ModelRunner:
     ) -> ForwardOutput:
         """Run ``batch``.  ``device_token_ids`` (T,) on the runner's device replace
         ``batch.token_ids`` (a drafter feeding back its own samples)."""
+        if self.tp is not None and not self.tp.in_step:  # rank 0: every rank runs this step
+            return self.tp.run_step(self, batch, aux_layer_ids, device_token_ids)
         if self.static is not None:  # aux layers were fixed when its graphs were captured
             res = self.static.run(batch, device_token_ids)
             return ForwardOutput(logits=res.logits, hidden=res.hidden, aux=res.aux, row_offsets=batch.row_offsets)

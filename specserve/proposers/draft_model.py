@@ -45,7 +45,7 @@ class DraftModelProposer:
         kv = KVCache(draft.arch.num_layers, num_blocks, block_size, draft.arch.num_kv_heads,
                      draft.arch.head_dim, draft.dtype, draft.device)
         static = None
-        if draft.device.type == "cuda":  # the draft's K single-token steps replay decode graphs
+        if draft.device.type == "cuda" and getattr(draft, "tp", None) is None:  # K decode steps replay graphs
             from specserve.executor.static_runner import StaticStepRunner
 
             static = StaticStepRunner(draft, kv, max_num_seqs=max_num_seqs, max_num_tokens=self.max_step_tokens,
@@ -162,7 +162,13 @@ def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
             f"{spec.max_model_len} exceeds the target's max_model_len ({ctx.target.max_model_len})",
         )
     max_len = spec.max_model_len or ctx.target.max_model_len
-    draft = load_model(path, dtype, ctx.target.device, max_len, cache_dir, key=key)
+    tp = getattr(ctx.target, "tp", None)
+    if tp is not None and (spec.draft_tensor_parallel_size or tp.size) == tp.size:  # sharded like the target
+        from specserve.parallel.launch import current_group
+
+        draft = current_group().load(path, dtype, max_len, cache_dir, key=key)
+    else:  # one device (under TP: rank 0's)
+        draft = load_model(path, dtype, ctx.target.device, max_len, cache_dir, key=key)
     if spec.parallel_drafting:
         mask = getattr(draft.hf_config, "pard_token", None) or getattr(draft.hf_config, "mask_token_id", None)
         if mask is None:

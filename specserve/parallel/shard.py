@@ -1,0 +1,69 @@
+"""One rank's handle on one tensor-parallel model (``LoadedModel.tp``).
+
+Rank 0 owns the engine: its ``ModelRunner`` sees ``loaded.tp`` and, per step,
+broadcasts the ``StepBatch`` to the workers (``run_step``) and then runs its own
+shard; the workers receive the same batch and run theirs
+(``specserve.parallel.worker``).  Every rank's model is the same object kind, so
+one ``ModelRunner.execute`` is the forward everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from specserve.parallel.plan import ShardPlan
+
+if TYPE_CHECKING:
+    from specserve.executor.batch import StepBatch
+    from specserve.executor.runner import ForwardOutput, ModelRunner
+    from specserve.parallel.group import ControlLink
+
+
+class Shard:
+    """``link`` is rank 0's control link to the workers (None on a worker)."""
+
+    def __init__(self, plan: ShardPlan, group: Any, model_id: int, link: "ControlLink | None" = None):
+        self.plan = plan
+        self.group = group  # the data-plane process group (NCCL on CUDA, gloo on the CPU)
+        self.model_id = model_id
+        self.link = link
+        # True while every rank runs the same forward.  A worker is always inside
+        # rank 0's step; rank 0 is inside one only between run_step's broadcast and return.
+        self.in_step = link is None
+
+    @property
+    def rank(self) -> int:
+        return self.plan.rank
+
+    @property
+    def size(self) -> int:
+        return self.plan.size
+
+    def attach(self, runner: "ModelRunner") -> None:
+        """Rank 0 built a runner (and KV cache) for this model: workers build theirs with
+        the same block count, so block tables and slots mean the same on every rank."""
+        if self.link is not None:
+            kv = runner.kv
+            self.link.send(("runner", self.model_id, kv.num_blocks, kv.block_size, runner.min_causal_len))
+
+    def run_step(
+        self, runner: "ModelRunner", batch: "StepBatch", aux_layer_ids: tuple[int, ...], device_token_ids: Tensor | None
+    ) -> "ForwardOutput":
+        """Rank 0: broadcast the step, then run this rank's part of it."""
+        assert self.link is not None
+        if device_token_ids is not None:  # a drafter's own samples: the workers need them as ids
+            batch.token_ids = device_token_ids.tolist()
+        self.link.send(("step", self.model_id, batch, tuple(aux_layer_ids)))
+        self.in_step = True
+        try:
+            return runner.execute(batch, aux_layer_ids)
+        finally:
+            self.in_step = False
+
+    def join(self, op: str, payload: Tensor) -> None:
+        """Rank 0 calls a vocabulary-parallel layer outside a step (an EAGLE head reading the
+        target's embedding or LM head): the workers must run their part of it too."""
+        if self.link is not None and not self.in_step:
+            self.link.send((op, self.model_id, payload.detach().cpu()))

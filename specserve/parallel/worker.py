@@ -1,0 +1,137 @@
+"""The worker loop: a rank other than 0 runs rank 0's forwards on its own shards.
+
+It holds no scheduler, tokenizer state or server: it follows rank 0's control
+messages in order (``parallel.group``) and answers with collectives only.
+
+    load    model_id, how to load it   -> load this rank's shard (same slices rule)
+    runner  model_id, blocks, ...      -> its KV cache (same block count as rank 0)
+    step    model_id, StepBatch, aux   -> ModelRunner.execute on the shard
+    embed   model_id, ids              -> the vocabulary-parallel embedding (an EAGLE head on rank 0)
+    logits  model_id, hidden           -> the vocabulary-parallel LM head (same)
+    ping                               -> nothing (rank 0 is alive)
+    shutdown                           -> exit 0
+
+Exit codes: 0 after ``shutdown``; 1 when rank 0 is gone or a forward fails
+(rank 0 sees the broken collective and fails its engine); 2 for a load error
+(rank 0 reports the same error itself).  SIGINT/SIGTERM are ignored: the
+worker stays until rank 0, which drains first, tells it to go (or dies).
+
+``python -m specserve.parallel.worker`` is how rank 0 starts it (environment
+``SPECSERVE_TP_*``); under torchrun or a LeaderWorkerSet the ``specserve``
+command itself lands here (``specserve.cli``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+
+from specserve.config import Config, ParallelismConfig
+from specserve.errors import SpecServeError
+
+log = logging.getLogger("specserve.parallel.worker")
+
+
+def serve_worker(group: Any) -> int:
+    """Follow rank 0 until it says shutdown (0) or goes away (1)."""
+    from specserve.executor.kv_cache import KVCache
+    from specserve.executor.loader import load_model
+    from specserve.executor.runner import ModelRunner
+    from specserve.parallel.group import recv_message
+    from specserve.parallel.loading import ShardSpec
+
+    rank = group.rank
+    models: dict[int, Any] = {}
+    runners: dict[int, ModelRunner] = {}
+    while True:
+        try:
+            msg = recv_message(group.control_group)
+        except Exception as e:
+            log.error("rank %d: lost rank 0 (%s); exiting", rank, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return 1
+        op, payload = msg[0], msg[1:]
+        try:
+            if op == "ping":
+                continue
+            if op == "shutdown":
+                log.info("rank %d: shutdown", rank)
+                return 0
+            if op == "step":
+                model_id, batch, aux = payload
+                runners[model_id].execute(batch, aux)
+            elif op == "load":
+                model_id, how = payload
+                path = how["hf_dir"] if os.path.isfile(os.path.join(how["hf_dir"], "config.json")) else how["path"]
+                spec = ShardSpec(rank, group.size, group.data_group, model_id, None, what=how["key"])
+                models[model_id] = load_model(path, how["dtype"], group.device, how["max_model_len"], how["cache_dir"],
+                                              key=how["key"], cpu_kernel="torch", tp=spec)  # fmt: skip
+            elif op == "runner":
+                model_id, num_blocks, block_size, min_causal_len = payload
+                m = models[model_id]
+                a = m.arch
+                kv = KVCache(a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, m.dtype, m.device)
+                runners[model_id] = ModelRunner(m, kv, min_causal_len=min_causal_len, cpu_kernel="torch")
+            elif op == "embed":
+                model_id, ids = payload
+                with torch.inference_mode():
+                    models[model_id].model.embed_tokens(ids.to(group.device))
+            elif op == "logits":
+                model_id, hidden = payload
+                m = models[model_id]
+                with torch.inference_mode():
+                    m.model.compute_logits(hidden.to(m.device, m.dtype))
+            else:
+                log.error("rank %d: unknown message %r", rank, op)
+                return 1
+        except SpecServeError as e:  # rank 0 meets the same error and reports it
+            log.info("rank %d: %s", rank, e)
+            return 2
+        except Exception:
+            log.exception("rank %d: %s failed", rank, op)
+            return 1
+
+
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def run_worker(cfg: Config) -> int:
+    """A non-zero rank started by torchrun or a LeaderWorkerSet (the `specserve` command)."""
+    from specserve.parallel.launch import shutdown, tensor_parallel_group
+
+    _ignore_stop_signals()
+    group = tensor_parallel_group(cfg)
+    code = serve_worker(group)
+    return shutdown(failed=code != 0) or code
+
+
+def main() -> None:
+    """Entry of a worker process started by rank 0 (``SPECSERVE_TP_*`` in the environment)."""
+    from specserve.parallel.launch import ENV_PREFIX, TensorParallelGroup
+
+    _ignore_stop_signals()
+    rank = os.environ.get(ENV_PREFIX + "RANK", "?")
+    logging.basicConfig(
+        level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s",
+    )
+    env = os.environ
+    p = ParallelismConfig(tensor_parallel_size=int(env[ENV_PREFIX + "WORLD_SIZE"]),
+                          timeout_s=float(env[ENV_PREFIX + "TIMEOUT_S"]))  # fmt: skip
+    try:
+        group = TensorParallelGroup(p, env[ENV_PREFIX + "DEVICE"], int(env[ENV_PREFIX + "THREADS"]))
+    except Exception as e:
+        log.error("rank %s could not join the group: %s", rank, str(e).splitlines()[0] if str(e) else e)
+        sys.exit(1)
+    code = serve_worker(group)
+    sys.exit(group.shutdown(failed=code != 0) or code)
+
+
+if __name__ == "__main__":
+    main()
