@@ -32,7 +32,7 @@ BAD = [
     (["+method=draft_model", "draft=smollm2-135m", "method.draft_tensor_parallel_size=3"],
      "method.draft_tensor_parallel_size"),
     (["+method=nope"], "method: unknown preset 'nope'"),
-    (["+method=ngram", "method.method=eagle3"], "method.method"),
+    (["+method=ngram", "method.method=medusa"], "method.method"),
     (["model=nope"], "model: unknown preset"),
     (["model.dtype=float8"], "model.dtype"),
     (["model.max_model_len=0"], "model.max_model_len"),

@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 class ForwardOutput:
     logits: Tensor  # (N, V) float32, rows in the order of the seqs' logits_offsets
     hidden: Tensor  # (N, H) final-norm hidden states of the same rows
-    aux: dict[int, Tensor]  # layer id -> (T, H) residual stream entering that layer
+    # layer id -> (T, H) residual stream entering that layer; id num_layers: the
+    # final-normed hidden state of every token (the LM head's input)
+    aux: dict[int, Tensor]
     row_offsets: list[int]  # per seq: first row of its logits in `logits`
 
 
@@ -149,7 +151,11 @@ class ModelRunner:
         assert self.fused is not None
         qs = batch.query_start
         info = [(qs[b], qs[b + 1] - qs[b], batch.seq_lens[b] - (qs[b + 1] - qs[b])) for b in range(batch.num_seqs)]
-        hidden, aux = self.fused.forward(batch.token_ids, info, batch.block_tables, aux_layer_ids)
+        L = self.loaded.arch.num_layers
+        hidden, aux = self.fused.forward(batch.token_ids, info, batch.block_tables,
+                                         tuple(i for i in aux_layer_ids if i < L))
+        if L in aux_layer_ids:
+            aux[L] = hidden  # the kernel's output rows are the final-normed states
         rows = batch.logits_rows
         sel = hidden[torch.tensor(rows, dtype=torch.int64)] if rows else hidden[:0]
         dtype = self.loaded.dtype

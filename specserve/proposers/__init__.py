@@ -3,7 +3,7 @@
 Importing this package registers the built-in proposers.
 """
 
-from specserve.proposers import draft_model, ngram, suffix  # noqa: F401  (registration)
+from specserve.proposers import draft_model, eagle, ngram, suffix  # noqa: F401  (registration)
 from specserve.proposers.base import PROPOSERS, DraftRequest, Proposal, Proposer, build_proposer
 
 __all__ = ["PROPOSERS", "DraftRequest", "Proposal", "Proposer", "build_proposer"]

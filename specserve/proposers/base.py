@@ -79,15 +79,24 @@ class ProposerContext:
     draft_model: Any  # ModelConfig of the draft (draft group) or None
     engine: Any  # EngineConfig
     num_kv_blocks: int  # the target's KV block count (a draft KV cache mirrors it)
+    # The engine's KVCache (its layers past the target's belong to the proposer: see
+    # KV_LAYERS) and BlockManager (sequences' block tables); None where not built by an engine.
+    kv: Any = None
+    blocks: Any = None
 
 
 Factory = Callable[[SpeculativeConfig, ProposerContext], Proposer]
 PROPOSERS: dict[str, Factory] = {}
+# KV-cache layers a method keeps in the engine's cache after the target's (an EAGLE
+# head's one layer): the engine allocates them inside its KV budget.
+KV_LAYERS: dict[str, int] = {}
 
 
-def register(method: str) -> Callable[[Factory], Factory]:
+def register(method: str, kv_layers: int = 0) -> Callable[[Factory], Factory]:
     def deco(factory: Factory) -> Factory:
         PROPOSERS[method] = factory
+        if kv_layers:
+            KV_LAYERS[method] = kv_layers
         return factory
 
     return deco

@@ -195,7 +195,9 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder stack + LM head.  ``forward`` returns the final hidden states
     (pre-norm is applied) and, on request, the residual stream ENTERING the
-    layers listed in ``aux_layer_ids`` (EAGLE-3 / MTP inputs)."""
+    layers listed in ``aux_layer_ids`` (EAGLE-3 / MTP inputs); the id
+    ``num_layers`` asks for the final-normed hidden state of every token (what
+    the LM head reads: EAGLE-1's feature)."""
 
     def __init__(self, a: ArchConfig, hf_config: Any, max_positions: int):
         super().__init__()
@@ -221,7 +223,10 @@ class LlamaModel(nn.Module):
             if i in aux_layer_ids:
                 aux[i] = x
             x = layer(x, cos, sin, meta, kv)
-        return self.norm(x), aux
+        x = self.norm(x)
+        if len(self.layers) in aux_layer_ids:
+            aux[len(self.layers)] = x
+        return x, aux
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: (N, H) -> logits (N, V) in float32."""

@@ -1,0 +1,278 @@
+"""EAGLE (``+method=eagle``, EAGLE-1/2 heads) and EAGLE-3 (``+method=eagle3``) proposers.
+
+A head (``executor.models.eagle``) drafts from the target's own features, so
+it runs after verification on the forward just verified (``base``): for every
+request it first consumes the rows of its tokens fed and committed in that
+step (``DraftRequest.hidden_rows``: whole prompt chunks, or the pending token
+plus the accepted drafts), writing the head's K/V for those positions, then
+drafts K tokens autoregressively on its own hidden state.  Row alignment:
+head position p reads target feature p and token p + 1.
+
+KV cache: one more layer in the engine's KV cache (the engine allocates
+``num_layers + 1`` layers for these methods, inside its KV budget), addressed
+by each sequence's own block table; the proposer grows the table by the K - 1
+positions its drafting writes past the committed ones (the next verification
+step needs those blocks anyway).  Rollback is free: after verification the
+head's real rows end where the target's committed positions end, and the next
+round overwrites every position after them (draft-written K/V included).
+
+Drafts: greedy (argmax of the head) for greedy requests and with strict
+verification.  With ``rejection_sample_method=probabilistic`` a sampled
+request's drafts are drawn from q = the head's distribution under the
+request's temperature/top-k/top-p, and q (mapped to the target vocabulary)
+goes to the rejection sampler with the drafts: lossless, and higher
+acceptance than one-hot q.  The draws come from a Philox stream of their own
+per request (the request's seed with a salt; offset = the draft's position),
+so seeded requests are reproducible in any batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specserve.config import SpeculativeConfig
+from specserve.errors import ConfigError
+from specserve.executor.attention import AttentionMetadata, CausalGroup, build_padded_group
+from specserve.executor.batch import SeqInput, StepBatch
+from specserve.executor.eagle_loader import build_head, check_against_target, read_head
+from specserve.executor.kv_cache import KVCache
+from specserve.executor.models.eagle import EagleHead
+from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.request import GREEDY_EPS
+from specserve.sampling.philox import philox_uniforms, random_seed, seed_to_int64
+from specserve.sampling.processors import SamplingTensors, logits_to_probs, sample_from_probs
+
+log = logging.getLogger(__name__)
+
+# XORed into a request's seed: the drafter's Philox stream must be independent of the
+# verifier's (which uses the seed itself), or the accept tests would correlate with the drafts.
+DRAFT_STREAM_SALT = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class _HeadState:
+    num_fed: int = 0  # target positions whose features the head has consumed (its real rows)
+    seed: int | None = None  # int64 Philox key of the request's draft stream
+
+
+def head_metadata(batch: StepBatch, block_size: int, device: torch.device) -> tuple[AttentionMetadata, Tensor]:
+    """Attention metadata and positions (T,) for a head step over ``batch``: fresh
+    sequences (whole context new) attend causally among themselves, the rest read
+    their cached positions through a padded group."""
+    causal: list[CausalGroup] = []
+    starts, lens, ctx, tables = [], [], [], []
+    qs = batch.query_start
+    for b, n_ctx in enumerate(batch.seq_lens):
+        s, n = qs[b], qs[b + 1] - qs[b]
+        if n_ctx == n and n >= 2:
+            causal.append(CausalGroup(start=s, length=n))
+        else:
+            starts.append(s)
+            lens.append(n)
+            ctx.append(n_ctx)
+            tables.append(batch.block_tables[b])
+    padded = build_padded_group(starts, lens, ctx, tables, block_size, None, device) if lens else None
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device), causal=causal, padded=padded
+    )
+    return meta, torch.tensor(batch.positions, dtype=torch.int64, device=device)
+
+
+class EagleProposer:
+    def __init__(self, head: EagleHead, k: int, kv: tuple[Tensor, Tensor], block_size: int, blocks, *,
+                 probabilistic: bool = False, seed: int = 0):
+        self.head = head
+        self.k = k
+        self.kv = kv
+        self.block_size = block_size
+        self.blocks = blocks  # the engine's BlockManager: the head's K/V lives in the sequences' own blocks
+        self.probabilistic = probabilistic
+        self.aux_layer_ids: tuple[int, ...] = tuple(head.c.aux_layer_ids)
+        self.device = next(head.parameters()).device
+        self.dtype = next(head.parameters()).dtype
+        self.vocab_size = head.c.vocab_size
+        self.states: dict[str, _HeadState] = {}
+        self.seed_generator = torch.Generator().manual_seed(seed ^ 0x5EED)
+
+    # ------------------------------------------------------------ proposing
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest], step=None) -> Proposal:
+        drafts: list[list[int]] = [[] for _ in requests]
+        if step is None:
+            return Proposal(token_ids=drafts)
+        inputs: list[SeqInput] = []
+        row_ids: list[int] = []
+        drafting: list[tuple[int, int, int, list[int]]] = []  # (request index, max drafts, last real position, table)
+        for i, r in enumerate(requests):
+            rows = r.hidden_rows
+            if rows is None or len(rows) == 0:
+                continue
+            st = self.states.setdefault(r.seq.request_id, _HeadState())
+            p0 = st.num_fed
+            toks = r.seq.token_ids[p0 + 1 : p0 + 1 + len(rows)]  # head row p reads token p + 1
+            n = len(toks)
+            if n == 0:
+                continue
+            want = r.max_drafts
+            table = r.seq.block_table
+            # drafting writes positions p0+n .. p0+n+want-2 past the real rows
+            if want > 0 and not self.blocks.ensure(table, p0 + n + want - 1):
+                want = 0  # no room in the cache this round: consume the rows, draft nothing
+            inputs.append(SeqInput(toks, p0, table, [n - 1] if want > 0 else []))
+            row_ids.extend(rows[:n])
+            st.num_fed = p0 + n
+            if want > 0:
+                drafting.append((i, want, p0 + n - 1, table))
+        if not inputs:
+            return Proposal(token_ids=drafts)
+        idx = torch.tensor(row_ids, dtype=torch.int64, device=step.aux[self.aux_layer_ids[0]].device)
+        feats = torch.cat([step.aux[l].index_select(0, idx) for l in self.aux_layer_ids], dim=-1)
+        hidden = self.head.project(feats.to(device=self.device, dtype=self.dtype))  # (T, H)
+        batch = StepBatch.from_inputs(inputs, self.block_size)
+        meta, pos = head_metadata(batch, self.block_size, self.device)
+        ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
+        out = self.head(ids, hidden, pos, meta, self.kv)  # (T, H): writes the head's K/V of the real rows
+        if not drafting:
+            return Proposal(token_ids=drafts)
+        last = out.index_select(0, torch.tensor(batch.logits_rows, dtype=torch.int64, device=self.device))
+        return self._draft(requests, drafting, last, drafts)
+
+    def _draft(self, requests, drafting, hidden: Tensor, drafts: list[list[int]]) -> Proposal:
+        """K autoregressive steps from the last real row of each drafting request; the
+        tokens stay on the device until the end (one read per column)."""
+        sampler = self._sampling(requests, drafting)
+        probs = None
+        if sampler is not None:  # (B, K, V) draft distributions for the rejection sampler
+            probs = torch.zeros(len(requests), max(w for _, w, _, _ in drafting), self.vocab_size,
+                                device=self.device)
+        active = list(range(len(drafting)))  # indices into drafting
+        columns: list[tuple[list[int], Tensor]] = []
+        step = 1
+        while True:
+            logits = self.head.logits(hidden)  # (B', Vd) float32
+            if sampler is None:
+                tokens = self.head.to_target_ids(logits.argmax(dim=-1))
+            else:
+                tokens = self._sample(logits, sampler, active, drafting, requests, step, probs)
+            columns.append(([drafting[a][0] for a in active], tokens))
+            keep = [n for n, a in enumerate(active) if drafting[a][1] > step]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                sel = torch.tensor(keep, dtype=torch.int64, device=self.device)
+                tokens, hidden = tokens.index_select(0, sel), hidden.index_select(0, sel)
+                active = [active[n] for n in keep]
+            seqs = [SeqInput([0], drafting[a][2] + step, drafting[a][3], [0]) for a in active]
+            batch = StepBatch.from_inputs(seqs, self.block_size)
+            meta, pos = head_metadata(batch, self.block_size, self.device)
+            hidden = self.head(tokens, hidden, pos, meta, self.kv)  # (B', H): the head's own state
+            step += 1
+        for rows, t in columns:  # the loop's only device -> host reads
+            for i, tok in zip(rows, t.tolist()):
+                drafts[i].append(tok)
+        return Proposal(token_ids=drafts, probs=probs)
+
+    def _sampling(self, requests, drafting) -> tuple[SamplingTensors, Tensor] | None:
+        """Per drafting row: its sampling tensors and draft-stream Philox key; None when
+        every draft is greedy (strict verification, or greedy requests only)."""
+        if not self.probabilistic:
+            return None
+        params = [requests[i].seq.params for i, _, _, _ in drafting]
+        if all(p.temperature < GREEDY_EPS for p in params):
+            return None
+        st = SamplingTensors.build([p.temperature for p in params], [p.top_k for p in params],
+                                   [p.top_p for p in params], [p.min_p for p in params], self.device)
+        seeds = [self._seed(requests[i].seq) for i, _, _, _ in drafting]
+        return st, torch.tensor(seeds, dtype=torch.int64, device=self.device)
+
+    def _seed(self, seq) -> int:
+        st = self.states[seq.request_id]
+        if st.seed is None:
+            s = getattr(seq.params, "seed", None)
+            if s is None:
+                st.seed = random_seed(self.seed_generator)
+            else:
+                st.seed = seed_to_int64((seed_to_int64(s) & (2**64 - 1)) ^ DRAFT_STREAM_SALT)
+        return st.seed
+
+    def _sample(self, logits: Tensor, sampler, active: list[int], drafting, requests, step: int,
+                probs: Tensor) -> Tensor:
+        """Draft tokens (B',) as target ids drawn from q (greedy rows: its argmax); q,
+        mapped to the target vocabulary, is recorded in ``probs`` at column step - 1."""
+        st_all, seeds_all = sampler
+        sel = torch.tensor(active, dtype=torch.int64, device=self.device)
+        st = SamplingTensors(
+            temperature=st_all.temperature[sel], top_k=st_all.top_k[sel], top_p=st_all.top_p[sel],
+            min_p=st_all.min_p[sel], greedy=st_all.greedy[sel], all_greedy=False, any_greedy=st_all.any_greedy,
+            any_top_k=st_all.any_top_k, any_top_p=st_all.any_top_p, any_min_p=st_all.any_min_p,
+        )
+        q = logits_to_probs(logits, st)  # (B', Vd)
+        # offset = the draft's position in its sequence: a fresh number for every position
+        offsets = torch.tensor([len(requests[drafting[a][0]].seq.token_ids) + step - 1 for a in active],
+                               dtype=torch.int64, device=self.device)
+        u = philox_uniforms(seeds_all[sel], offsets, 1)[:, 0]  # (B',)
+        head = self.head
+        tokens = head.to_target_ids(sample_from_probs(q, u))
+        if head.draft_to_target is not None:
+            q = torch.zeros(q.shape[0], self.vocab_size, device=self.device).index_copy_(1, head.draft_to_target, q)
+        rows = torch.tensor([drafting[a][0] for a in active], dtype=torch.int64, device=self.device)
+        probs[rows, step - 1] = q
+        return tokens
+
+    # ------------------------------------------------------------ bookkeeping
+    def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
+        """Nothing to roll back: the head's real rows end where the target's committed
+        positions end, and the next round overwrites every later position."""
+
+    def remove(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+
+def _head_kv(ctx: ProposerContext, head: EagleHead) -> tuple[Tensor, Tensor]:
+    """The head's cache layer: the engine's extra layer when its shape fits, else a
+    one-layer cache of its own with the same blocks (slot ids are shared either way)."""
+    a, c = ctx.target.arch, head.c
+    kv = getattr(ctx, "kv", None)
+    layers = kv.data.shape[0] if kv is not None else 0
+    if kv is not None and layers > a.num_layers and (c.num_kv_heads, c.head_dim) == (a.num_kv_heads, a.head_dim):
+        return kv.layer(a.num_layers)
+    log.warning("the head's attention shape (%d kv heads x %d) differs from the target's: its KV cache is a "
+                "separate one-layer cache of %d blocks, outside the engine's KV budget", c.num_kv_heads, c.head_dim,
+                ctx.num_kv_blocks)
+    own = KVCache(1, ctx.num_kv_blocks, ctx.engine.block_size, c.num_kv_heads, c.head_dim, ctx.target.dtype,
+                  ctx.target.device)
+    return own.layer(0)
+
+
+def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
+    path = spec.model or (ctx.draft_model.path if ctx.draft_model is not None else None)
+    key = "method.model" if spec.model else "draft.path"
+    if not path:
+        raise ConfigError("method.model", f"method {spec.method} needs a head: set method.model=<dir> or draft=<preset>")
+    if spec.parallel_drafting:
+        raise ConfigError("method.parallel_drafting", "parallel drafting (P-EAGLE) is not implemented in this build")
+    if spec.max_model_len is not None and spec.max_model_len > ctx.target.max_model_len:
+        raise ConfigError("method.max_model_len",
+                          f"{spec.max_model_len} exceeds the target's max_model_len ({ctx.target.max_model_len})")
+    k = spec.num_speculative_tokens
+    ck = read_head(path, spec.method, key)
+    check_against_target(ck, ctx.target.arch, k, key)
+    t = ctx.target
+    head = build_head(ck, t.model, t.dtype, t.device, t.max_model_len + k + 1)
+    blocks = getattr(ctx, "blocks", None)
+    if blocks is None:
+        raise ConfigError("method.method", f"{spec.method} needs the engine's block manager (ProposerContext.blocks)")
+    log.info("%s head from %s (%s layout): target layers %s, draft vocabulary %d of %d", spec.method, ck.path,
+             ck.layout, list(ck.config.aux_layer_ids), ck.config.draft_vocab_size, ck.config.vocab_size)
+    return EagleProposer(
+        head, k, _head_kv(ctx, head), ctx.engine.block_size, blocks,
+        probabilistic=spec.rejection_sample_method == "probabilistic", seed=ctx.engine.seed,
+    )
+
+
+register("eagle", kv_layers=1)(build_eagle)
+register("eagle3", kv_layers=1)(build_eagle)
