@@ -9,6 +9,7 @@ _LAZY = {
     "CompletionOutput": "specserve.llm",
     "GenerationOutput": "specserve.llm",
     "SamplingParams": "specserve.request",
+    "StructuredOutputsParams": "specserve.request",
 }
 __all__ = ["__version__", *_LAZY]
 

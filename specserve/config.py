@@ -99,6 +99,9 @@ class EngineConfig:
     # and CUDA graphs (measured at start-up, as vLLM does).
     kv_cache_memory_gib: Optional[float] = None
     gpu_memory_utilization: float = 0.9
+    # Automatic prefix caching: full KV blocks are kept (LRU among free blocks) under the
+    # hash chain of their tokens and reused by later requests with the same prefix.
+    enable_prefix_caching: bool = True
     # CUDA graphs for decode and uniform verification steps per batch bucket
     # (1, 2, 4, ... max_num_seqs): "auto" = on CUDA, "off" = eager.
     cuda_graphs: str = "auto"
@@ -344,6 +347,8 @@ def validate_config(cfg: Config) -> Config:
     u = e.gpu_memory_utilization
     if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
         raise ConfigError("engine.gpu_memory_utilization", f"must be in (0, 1], got {u!r}")
+    if not isinstance(e.enable_prefix_caching, bool):
+        raise ConfigError("engine.enable_prefix_caching", f"must be true or false, got {e.enable_prefix_caching!r}")
     _choice("engine.cuda_graphs", e.cuda_graphs, CUDA_GRAPH_MODES)
     _choice("engine.speculation", e.speculation, SPECULATION_MODES)
     _int("engine.num_prediction_tokens", e.num_prediction_tokens, 0)

@@ -65,6 +65,12 @@ Serving::
     specserve_e2e_request_latency_seconds      histogram
     specserve_iteration_tokens_total           histogram, tokens (prompt + generated) per engine step
 
+Automatic prefix caching (tokens, as vLLM counts them)::
+
+    specserve_prefix_cache_queries_total       counter, prompt tokens looked up in the prefix cache
+    specserve_prefix_cache_hits_total          counter, of those, tokens whose K/V was found cached
+    # hit rate: rate(specserve_prefix_cache_hits_total[5m]) / rate(specserve_prefix_cache_queries_total[5m])
+
 ``docs/metrics.md`` repeats this list for operators.
 """
 
@@ -184,6 +190,12 @@ class SpecServeMetrics:
         self.ttft = histogram("specserve_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("specserve_inter_token_latency_seconds", "Time between emitted tokens.", ITL_BUCKETS)
         self.e2e = histogram("specserve_e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.prefix_cache_queries = counter(
+            "specserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (at admission)."
+        ).labels(**values)
+        self.prefix_cache_hits = counter(
+            "specserve_prefix_cache_hits", "Prompt tokens whose K/V was found in the prefix cache."
+        ).labels(**values)
         self.iteration_tokens = histogram(
             "specserve_iteration_tokens_total", "Tokens (prompt + generated) per engine step.", ITERATION_TOKEN_BUCKETS
         )
@@ -197,6 +209,10 @@ class SpecServeMetrics:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
             self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.prefix_cache_queries:
+            self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        if stats.prefix_cache_hits:
+            self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         if stats.num_prompt_tokens or stats.num_generation_tokens:
             self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         for req in stats.requests:

@@ -16,12 +16,45 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed acc
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's chat limit)
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+LOGIT_BIAS_RANGE = 100.0  # |bias| <= this (OpenAI's range)
+PENALTY_RANGE = 2.0  # presence/frequency penalties in [-2, 2] (OpenAI's range)
 
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # cancelled by the client, the server or a deadline
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's name and fields); exactly one is set.
+
+    ``json``: a JSON schema (dict or its JSON text); ``json_object``: any JSON
+    object; ``regex``: a regular expression the whole output matches; ``choice``:
+    one of these strings; ``grammar``: a Lark grammar (llguidance's dialect).
+    Compiled by ``specserve.structured`` (llguidance) when the request is admitted.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def kind(self) -> str:
+        """The one field that is set; raises InvalidRequestError unless exactly one is."""
+        given = [n for n, v in (("json", self.json), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar)) if v is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs", f"exactly one of json, regex, choice, grammar, json_object must be set, got {given}"
+            )
+        return given[0]
 
 
 @dataclass
@@ -51,9 +84,82 @@ class SamplingParams:
     # `prediction`); drafted where the output follows them, never changing it.
     prediction_token_ids: list[int] | None = None
 
+    # Logits controls, applied to the target's logits at every verified position (draft
+    # positions included, against the tokens that precede them): OpenAI's presence and
+    # frequency penalties (output tokens; [-2, 2]), vLLM's repetition_penalty (prompt and
+    # output tokens; > 0, 1 = off), logit_bias ({token id: bias in [-100, 100]}) and
+    # min_tokens (EOS and stop_token_ids banned until that many tokens were emitted).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    # Log-probabilities: None = none; k >= 0 = each emitted token's log-probability plus
+    # the k most likely tokens (at most MAX_LOGPROBS).  prompt_logprobs likewise for the
+    # prompt's tokens (the first has none).  See specserve.sampling.logits_processors.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether any control beyond temperature/top-k/top-p/min-p changes the logits."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            or self.min_tokens or self.structured_outputs is not None
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    def _validate_logits_controls(self, vocab_size: int | None) -> None:
+        """Ranges of the issue-#13 fields (part of ``SamplingParams.validate``)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                raise InvalidRequestError(name, f"must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise InvalidRequestError("repetition_penalty", f"must be in (0, 100] (1 = off), got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequestError("logit_bias", "must be an object mapping token ids to biases")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                ok = (isinstance(key, int) and not isinstance(key, bool) and key >= 0) or (
+                    isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 20
+                )
+                if not ok:
+                    raise InvalidRequestError("logit_bias", f"keys must be token ids (non-negative integers), got {key!r}")
+                tok = int(key)
+                if vocab_size is not None and tok >= vocab_size:
+                    raise InvalidRequestError("logit_bias", f"token id {tok} is not < the vocabulary size ({vocab_size})")
+                _check_number("logit_bias", value)
+                if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                    raise InvalidRequestError(
+                        "logit_bias", f"biases must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value}"
+                    )
+                bias[tok] = float(value)
+            self.logit_bias = bias
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_int(name, value)
+            if not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise InvalidRequestError("structured_outputs", "must be a StructuredOutputsParams")
+            so.kind()
 
     def validate(self, max_tokens_cap: int | None = None, vocab_size: int | None = None) -> "SamplingParams":
         """Raise InvalidRequestError naming the first bad field; return self."""
@@ -104,6 +210,7 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids", f"every id must be < the vocabulary size ({vocab_size})")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", "must be a boolean")
+        self._validate_logits_controls(vocab_size)
         if self.prediction_token_ids is not None:
             p = self.prediction_token_ids
             if not isinstance(p, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
@@ -161,6 +268,16 @@ class SpecDecodeStats:
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability (``specserve.sampling.logits_processors`` defines which
+    distribution) and the ``k`` most likely tokens at its position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     """One update for one request, as emitted after an engine step.
 
@@ -182,6 +299,13 @@ class RequestOutput:
     # Set when handling this one request failed (bad input found late -> InvalidRequestError,
     # anything else -> RequestFailedError); the engine keeps serving the others.
     failure: Exception | None = None
+    # With params.logprobs: one entry per new token (new_logprobs) and per token so far
+    # (logprobs, filled by the OutputProcessor like token_ids).  With prompt_logprobs: one
+    # entry per prompt token (None for the first), on the first output that carries tokens.
+    new_logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None  # set together with prompt_logprobs (echo)
 
 
 def _vllm_keywords(init):

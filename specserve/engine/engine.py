@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +42,9 @@ from specserve.proposers.base import ProposerContext
 from specserve.proposers.prediction import PredictedOutputs
 from specserve.request import FinishReason, RequestOutput, SamplingParams
 from specserve.sampling.philox import random_seed, seed_to_int64
-from specserve.sampling.sampler import DeviceSampler
+from specserve.sampling.sampler import DeviceSampler, unpack
+from specserve.engine.controls import logprob_lists, plan_step
+from specserve.sampling.logits_processors import logprob_columns
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,9 @@ class _ReqState:
     proc: OutputProcessor | None  # None when the caller detokenizes (AsyncEngine)
     seed: int  # int64 pattern of the request's Philox key (drawn at admission when unseeded)
     offset: int = 0  # random numbers of its stream consumed so far
+    grammar: Any = None  # specserve.structured.GrammarState with structured_outputs
+    prompt_lps: list | None = None  # prompt_logprobs so far (index i: prompt token i; [0] is None)
+    prompt_lps_sent: bool = False
 
 
 CPU_KV_CACHE_GIB = 0.5  # the CPU's default KV budget
@@ -141,7 +147,8 @@ class LLMEngine:
         num_blocks = _num_blocks(cfg, target, e.max_num_seqs * (1 + self.k) if graphs else 0)
         a = target.arch
         self.kv = KVCache(a.num_layers, num_blocks, e.block_size, a.num_kv_heads, a.head_dim, target.dtype, target.device)
-        self.blocks = BlockManager(num_blocks, e.block_size)
+        self.blocks = BlockManager(num_blocks, e.block_size, enable_caching=e.enable_prefix_caching)
+        self._prefix_reported = (0, 0)  # prefix-cache (queried, hit) tokens already in StepStats
         self.proposer: Proposer | None = None
         if spec is not None:
             ctx = ProposerContext(target=target, draft_model=cfg.draft, engine=e, num_kv_blocks=num_blocks)
@@ -180,6 +187,7 @@ class LLMEngine:
         self.requests: dict[str, _ReqState] = {}
         self.listeners: list[StatsListener] = []
         self.detokenize = True  # AsyncEngine turns this off and detokenizes per stream
+        self._grammar_backend = None  # specserve.structured.GrammarBackend, on first use
         self.info = ModelInfo(
             model_name=cfg.model.name,
             method=spec.method if spec is not None else "none",
@@ -233,7 +241,13 @@ class LLMEngine:
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params)
             seed = self._request_seed(params)
             proc = OutputProcessor(self.tokenizer, seq.prompt_token_ids, params) if self.detokenize else None
-            self.requests[request_id] = _ReqState(seq, proc, seed)
+            grammar = None
+            if params.structured_outputs is not None:
+                backend = self.grammar_backend
+                grammar = backend.new_state(backend.compile(params.structured_outputs))
+            self.requests[request_id] = st = _ReqState(seq, proc, seed, grammar=grammar)
+            if params.prompt_logprobs is not None:
+                st.prompt_lps = [None]
             self.scheduler.add(seq)
         except SpecServeError:
             self.requests.pop(request_id, None)
@@ -301,8 +315,11 @@ class LLMEngine:
         for s in sched.scheduled:
             s.seq.draft_token_ids = []
         batch = self._build_batch(sched.scheduled, drafts)
+        prompt_jobs = self._prompt_logprob_rows(sched.scheduled, batch)
         t0 = time.perf_counter()
         fwd = self.runner.execute(batch, self.aux_layer_ids)  # the only failure that may take the engine down
+        if prompt_jobs:
+            self._prompt_logprobs(prompt_jobs, fwd)
         sampled = [s for s in sched.scheduled if s.sample]
         results = self._verify(sampled, drafts, sched.scheduled, fwd)
         outputs = self._commit(sched.scheduled, drafts, results)
@@ -327,6 +344,42 @@ class LLMEngine:
             inputs, self.kv.block_size, pad_to=pad_to, trash_slot=self.kv.trash_slot,
             max_position=self.max_model_len - 1,
         )
+
+    def _prompt_logprob_rows(self, scheduled: list[ScheduledSeq], batch: StepBatch) -> list[tuple]:
+        """Requests with prompt_logprobs: logits rows for the prompt positions of this chunk,
+        appended AFTER every other row (row_offsets and the sampled rows stay as they are).
+        Returns (state, first extra row, next prompt tokens) per such request."""
+        jobs = []
+        for b, s in enumerate(scheduled):
+            st = self.requests.get(s.seq.request_id)
+            if st is None or st.prompt_lps is None:
+                continue
+            seq, n0 = s.seq, s.seq.num_computed
+            # position p's logits give the log-probability of prompt token p + 1
+            ps = [p for p in range(n0, n0 + s.num_new_tokens) if len(st.prompt_lps) <= p + 1 < seq.num_prompt_tokens]
+            if not ps:
+                continue
+            first = len(batch.logits_rows)
+            batch.logits_rows.extend(batch.query_start[b] + p - n0 for p in ps)
+            jobs.append((st, first, [seq.prompt_token_ids[p + 1] for p in ps]))
+        return jobs
+
+    def _prompt_logprobs(self, jobs: list[tuple], fwd) -> None:
+        from specserve.engine.controls import prompt_logprob_lists
+
+        for st, first, nxt in jobs:
+            rows = list(range(first, first + len(nxt)))
+            st.prompt_lps.extend(prompt_logprob_lists(fwd.logits, rows, nxt, st.seq.params.prompt_logprobs))
+
+    @property
+    def grammar_backend(self):
+        """llguidance over the target's tokenizer (built on first use: about a second)."""
+        if self._grammar_backend is None:
+            from specserve.structured import GrammarBackend
+
+            self._grammar_backend = GrammarBackend(self.tokenizer.hf, self.target.arch.vocab_size,
+                                                   tuple(self.tokenizer.eos_token_ids))  # fmt: skip
+        return self._grammar_backend
 
     def _propose_next(self, scheduled: list[ScheduledSeq], batch: StepBatch, fwd, results) -> None:
         """Drafts for the next step, proposed now that this step is verified; a
@@ -401,10 +454,26 @@ class LLMEngine:
         rows = [fwd.row_offsets[pos[id(s)]] for s in sampled]
         states = [self.requests[s.seq.request_id] for s in sampled]
         temps, top_ks, top_ps, min_ps = zip(*sample_rows)
+        # Penalties, logit_bias, min_tokens and grammar masks at every verified position
+        # (drafts a grammar refuses are cut: they could not be accepted).
+        plan, drafts = plan_step([s.seq for s in sampled], [st.grammar for st in states], drafts, rows,
+                                 self.target.arch.vocab_size, tuple(self.tokenizer.eos_token_ids))  # fmt: skip
+        logits = fwd.logits if plan is None else plan.apply(fwd.logits)
         inputs = self.sampler.prepare(
             rows, drafts, temps, top_ks, top_ps, min_ps, [st.seed for st in states], [st.offset for st in states]
         )
-        results = self.sampler.fetch(self.sampler.sample(fwd.logits, inputs), len(sampled))
+        packed = self.sampler.sample(logits, inputs)
+        want = [s.seq.params.logprobs for s in sampled]
+        if all(k is None for k in want):
+            results = self.sampler.fetch(packed, len(sampled))
+        else:  # the log-probabilities ride on the same copy back
+            K1 = packed.shape[1] - 1
+            top = max(k for k in want if k is not None)
+            cols = logprob_columns(logits, inputs.row_index, packed[:, :K1], top)
+            host = self.sampler.copy_to_host(torch.cat([packed, cols], dim=1))[: len(sampled)].numpy()
+            results = unpack(host[:, : K1 + 1])
+            lps = logprob_lists(host[:, K1 + 1 :], [r[0] for r in results], want, K1, top)
+            results = [r if lp is None else (r[0], r[1], lp) for r, lp in zip(results, lps)]
         for st in states:
             st.offset += self.sampler.uniforms_per_step
         return results
@@ -428,7 +497,8 @@ class LLMEngine:
             if isinstance(result, _Stage):
                 outputs.append(self._fail_request(st, result.stage, result.exc))
                 continue
-            toks, a = result
+            toks, a = result[0], result[1]
+            new_lps = result[2] if len(result) > 2 else None
             if d:
                 seq.spec.num_drafts += 1
                 seq.spec.num_draft_tokens += len(d)
@@ -443,6 +513,9 @@ class LLMEngine:
                 self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens + a)
                 stage = "matching its stop tokens"
                 new_ids, reason = self._append_tokens(seq, toks)
+                if st.grammar is not None:
+                    stage = "advancing its grammar"
+                    st.grammar.advance(new_ids)
                 if n_pred:  # OpenAI's counts: prediction tokens that made it into the output, and the rest
                     kept = min(a, n_pred, len(new_ids))
                     seq.spec.num_accepted_prediction_tokens += kept
@@ -450,6 +523,8 @@ class LLMEngine:
                 if reason is not None:
                     self._finish(st, reason)
                 out = self._output(st, new_ids)
+                if new_lps is not None:
+                    out.new_logprobs = new_lps[: len(new_ids)]
                 if st.proc is not None:
                     stage = "detokenizing its output"
                     out, stop = st.proc.process(out)
@@ -479,6 +554,7 @@ class LLMEngine:
             num_running=self.num_running, num_waiting=self.num_waiting, kv_cache_usage=self.blocks.usage,
             num_prompt_tokens=n_prompt, num_generation_tokens=n_gen, requests=req_stats,
             num_speculative_tokens=self.spec_control.chosen if self.k else 0,
+            **self._prefix_cache_deltas(),
         ))
         return outputs
 
@@ -521,12 +597,23 @@ class LLMEngine:
     def _output(self, st: _ReqState, new_ids: list[int]) -> RequestOutput:
         """A token delta; text and the output so far are filled by an OutputProcessor."""
         seq = st.seq
-        return RequestOutput(
+        out = RequestOutput(
             request_id=seq.request_id, new_token_ids=new_ids, new_text="", token_ids=[],
             text="", finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             spec=dataclasses.replace(seq.spec),
         )
+        if st.prompt_lps is not None and not st.prompt_lps_sent and (new_ids or seq.finished):
+            st.prompt_lps_sent = True  # echo: the prompt's log-probabilities, once
+            out.prompt_logprobs = st.prompt_lps
+            out.prompt_token_ids = seq.prompt_token_ids
+        return out
+
+    def _prefix_cache_deltas(self) -> dict[str, int]:
+        q, h = self.blocks.num_queried_tokens, self.blocks.num_hit_tokens
+        dq, dh = q - self._prefix_reported[0], h - self._prefix_reported[1]
+        self._prefix_reported = (q, h)
+        return {"prefix_cache_queries": dq, "prefix_cache_hits": dh}
 
     def _emit_step(self, stats: StepStats) -> None:
         for listener in self.listeners:

@@ -25,6 +25,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, list(params.stop))
         self.token_ids: list[int] = []
+        self.logprobs: list | None = [] if params.logprobs is not None else None
 
     def process(self, out: RequestOutput) -> tuple[RequestOutput, bool]:
         """Fill ``out`` in place.  Returns (out, stop): ``stop`` is True when a stop
@@ -32,6 +33,9 @@ class OutputProcessor:
         ``out`` is then final with reason ``stop`` and the caller must finish the
         engine request (``finish_request(..., FinishReason.STOP)``)."""
         self.token_ids.extend(out.new_token_ids)
+        if self.logprobs is not None and out.new_logprobs:
+            self.logprobs.extend(out.new_logprobs)
+        out.logprobs = self.logprobs  # grows like token_ids
         delta, stopped = self.detok.append(out.new_token_ids, final=out.finished)
         stop = stopped and not out.finished
         if stop:

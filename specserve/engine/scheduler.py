@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from specserve.kv_blocks import BlockManager
+from specserve.kv_blocks import BlockManager, chain_hashes
 from specserve.engine.sequence import Sequence, Status
 
 
@@ -52,6 +52,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Prefix caching (blocks.enable_caching): full prompt blocks that an admitted sequence
+        # is computing now, by hash.  A waiting sequence whose next uncached block is one of
+        # them waits for it (e.g. the n copies of one prompt) instead of computing it again.
+        self._inflight: dict[int, Sequence] = {}
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -64,6 +68,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._release(seq)
         self.blocks.free(seq.block_table)
 
     @property
@@ -81,10 +86,69 @@ class Scheduler:
         room = min(len(seq.draft_token_ids), self.num_lookahead, self.max_model_len - len(seq.token_ids) - 1)
         return max(room, 0)
 
+    # ------------------------------------------------------------------ prefix cache
+    def _hashes(self, seq: Sequence, n: int) -> list[tuple[int, tuple]]:
+        """The hash chain of the sequence's first n full blocks (extended as it grows)."""
+        have = len(seq.block_hashes)
+        if n > have:
+            parent = seq.block_hashes[-1][0] if have else None
+            seq.block_hashes.extend(chain_hashes(seq.token_ids, self.blocks.block_size, n, parent, have))
+        return seq.block_hashes[:n]
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Put the sequence's full blocks whose K/V is computed into the prefix cache."""
+        if not self.blocks.enable_caching:
+            return
+        n = min(min(seq.num_computed, len(seq.token_ids)) // self.blocks.block_size, len(seq.block_table))
+        if n <= seq.num_registered_blocks:
+            return
+        for i, (h, key) in enumerate(self._hashes(seq, n)[seq.num_registered_blocks :], seq.num_registered_blocks):
+            self.blocks.register(seq.block_table[i], h, key)
+            if self._inflight.get(h) is seq:
+                del self._inflight[h]
+        seq.num_registered_blocks = n
+
+    def _release(self, seq: Sequence) -> None:
+        """Before freeing a sequence's blocks: cache what it computed, drop its in-flight marks."""
+        self.register_computed(seq)
+        for h, _ in seq.block_hashes:
+            if self._inflight.get(h) is seq:
+                del self._inflight[h]
+        seq.num_registered_blocks = 0
+
+    def _lookup(self, seq: Sequence) -> bool:
+        """Start a fresh sequence on its longest cached prefix (at least one token is left
+        to compute: its logits are needed).  False: its next block is being computed by an
+        admitted sequence; wait for it."""
+        if not self.blocks.enable_caching or seq.block_table or seq.num_computed:
+            return True
+        if seq.params.prompt_logprobs is not None:
+            return True  # every prompt position's logits are wanted
+        bs = self.blocks.block_size
+        hashes = self._hashes(seq, (len(seq.token_ids) - 1) // bs)
+        hits = self.blocks.match(hashes)
+        if len(hits) < len(hashes) and self._inflight.get(hashes[len(hits)][0]) not in (None, seq):
+            return False
+        self.blocks.acquire(hits)
+        seq.block_table = list(hits)
+        seq.num_computed = seq.num_cached_tokens = len(hits) * bs
+        seq.num_registered_blocks = len(hits)
+        return True
+
+    def _admitted(self, seq: Sequence) -> None:
+        if not self.blocks.enable_caching:
+            return
+        self.blocks.num_queried_tokens += len(seq.token_ids)
+        self.blocks.num_hit_tokens += seq.num_cached_tokens
+        for h, _ in seq.block_hashes[seq.num_registered_blocks : len(seq.token_ids) // self.blocks.block_size]:
+            self._inflight.setdefault(h, seq)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        self._release(seq)
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
+        seq.num_cached_tokens = 0
         seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = Status.WAITING
@@ -94,6 +158,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        for seq in self.running:  # K/V computed by the last step joins the prefix cache
+            self.register_computed(seq)
         # 1. Running sequences, oldest first; preempt from the newest end.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -112,15 +178,26 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n, sample, room))
             budget -= n + room
             i += 1
-        # 2. Admit waiting sequences in arrival order.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting[0]
+        # 2. Admit waiting sequences in arrival order (one whose next prompt block another
+        #    admitted sequence is computing waits for it, and the next in line goes first).
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[w]
+            fresh = not seq.block_table and not seq.num_computed
+            if not self._lookup(seq):
+                w += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             sample = n == seq.num_uncomputed
             room = self._draft_room(seq) if (sample and seq.num_uncomputed == 1) else 0
             if not self.blocks.ensure(seq.block_table, seq.num_computed + n + room):
+                if fresh and seq.block_table:  # give the cached blocks back (they stay cached)
+                    self.blocks.free(seq.block_table)
+                    seq.num_computed = seq.num_cached_tokens = seq.num_registered_blocks = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
+            if fresh:
+                self._admitted(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, sample, room))

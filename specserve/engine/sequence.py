@@ -41,6 +41,14 @@ class Sequence:
     # How many leading drafts of draft_token_ids came from the request's Predicted Output.
     num_prediction_drafts: int = 0
 
+    # Prefix caching: the hash chain of full blocks of token_ids (kv_blocks.chain_hashes),
+    # how many of the block table's blocks are registered in the cache, and how many
+    # prompt tokens this sequence found cached at admission (their K/V was never computed
+    # for it: a proposer that needs the target's states of every prompt token must catch up).
+    block_hashes: list = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
+
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)

@@ -215,23 +215,6 @@ class TensorParallelGroup:
         return loaded
 
 
-def precheck(path: str, cache_dir: str | None, tp: int, key: str) -> tuple[Any, Any]:
-    """(the HF directory, its ArchConfig or None): a GGUF is converted here, once, before
-    any worker reads it, and a layout that cannot be split is one line before any starts."""
-    from transformers import AutoConfig
-
-    from specserve.executor.loader import resolve_hf_dir
-    from specserve.executor.models.llama import ArchConfig
-    from specserve.parallel.plan import check_layout
-
-    hf_dir = resolve_hf_dir(path, cache_dir)
-    try:
-        a = ArchConfig.from_hf(AutoConfig.from_pretrained(str(hf_dir), local_files_only=True))
-    except Exception:
-        return hf_dir, None  # load_model reports a bad config in its own words
-    check_layout(a.num_heads, a.num_kv_heads, a.intermediate_size, tp, key)
-    return hf_dir, a
-
     def shutdown(self, failed: bool = False, wait_s: float = 15.0) -> int:
         """Stop every rank this process is responsible for; returns 0 when all exited
         cleanly.  Rank 0 tells the workers to exit; the processes it started are reaped,
@@ -251,7 +234,7 @@ def precheck(path: str, cache_dir: str | None, tp: int, key: str) -> tuple[Any, 
                 proc.kill()
                 rc = proc.wait()
             log.info("tensor-parallel worker rank %d exited with code %d", r, rc)
-            code = code or (rc != 0)
+            code = code or int(rc != 0)
         if ok:
             try:
                 import torch.distributed as dist
@@ -260,6 +243,24 @@ def precheck(path: str, cache_dir: str | None, tp: int, key: str) -> tuple[Any, 
             except Exception:  # best effort: the process is exiting
                 log.debug("destroy_process_group failed", exc_info=True)
         return code
+
+
+def precheck(path: str, cache_dir: str | None, tp: int, key: str) -> tuple[Any, Any]:
+    """(the HF directory, its ArchConfig or None): a GGUF is converted here, once, before
+    any worker reads it, and a layout that cannot be split is one line before any starts."""
+    from transformers import AutoConfig
+
+    from specserve.executor.loader import resolve_hf_dir
+    from specserve.executor.models.llama import ArchConfig
+    from specserve.parallel.plan import check_layout
+
+    hf_dir = resolve_hf_dir(path, cache_dir)
+    try:
+        a = ArchConfig.from_hf(AutoConfig.from_pretrained(str(hf_dir), local_files_only=True))
+    except Exception:
+        return hf_dir, None  # load_model reports a bad config in its own words
+    check_layout(a.num_heads, a.num_kv_heads, a.intermediate_size, tp, key)
+    return hf_dir, a
 
 
 _GROUP: TensorParallelGroup | None = None  # torch.distributed allows one default group per process

@@ -530,9 +530,12 @@ class DeviceSampler:
         Returns a view of the host buffer, valid until the next call.
         """
         B, W = packed.shape
-        if B * W > self._out_host.numel():
+        if B > self.max_num_seqs:
             raise ValueError(f"packed: {tuple(packed.shape)} does not fit the host buffer "
                              f"({self.max_num_seqs} x {self.K + 2})")
+        if B * W > self._out_host.numel():  # wider rows (log-probabilities riding along): grow once
+            self._out_host = torch.empty(self.max_num_seqs * W, dtype=torch.int64,
+                                         pin_memory=self._out_host.is_pinned())  # fmt: skip
         host = self._out_host[: B * W].view(B, W)
         host.copy_(packed, non_blocking=True)
         if self._d2h_done is not None:
