@@ -29,7 +29,7 @@ METHODS = (
 )
 # Methods whose proposer exists in this build; the others are valid names that
 # a later release implements, and selecting them fails early with a clear line.
-IMPLEMENTED_METHODS = ("ngram", "draft_model", "suffix")
+IMPLEMENTED_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3")
 METHODS_WITHOUT_MODEL = ("ngram", "suffix", "mtp")
 REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -302,6 +302,9 @@ def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[Mod
 
 def validate_config(cfg: Config) -> Config:
     """Validate the whole config once; raise ConfigError naming the key."""
+    from specserve.speculators_format import compose_speculation
+
+    compose_speculation(cfg)  # a speculators directory as the model; the shipped EAGLE-3 head by default
     validate_model("model", cfg.model)
     if cfg.draft is not None:
         validate_model("draft", cfg.draft)

@@ -38,7 +38,7 @@ from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.runner import ModelRunner
 from specserve.parallel.plan import draft_tensor_parallel_size
 from specserve.proposers import DraftRequest, Proposer, build_proposer
-from specserve.proposers.base import ProposerContext
+from specserve.proposers.base import KV_LAYERS, ProposerContext
 from specserve.proposers.prediction import PredictedOutputs
 from specserve.request import FinishReason, RequestOutput, SamplingParams
 from specserve.sampling.philox import random_seed, seed_to_int64
@@ -85,12 +85,13 @@ class _ReqState:
 CPU_KV_CACHE_GIB = 0.5  # the CPU's default KV budget
 
 
-def _num_blocks(cfg: Config, target: LoadedModel, graph_tokens: int) -> int:
+def _num_blocks(cfg: Config, target: LoadedModel, graph_tokens: int, extra_layers: int = 0) -> int:
     e = cfg.engine
     if e.num_kv_blocks is not None:
         return e.num_kv_blocks
     a = target.arch
-    per_block = KVCache.bytes_per_block(a.num_layers, e.block_size, a.num_kv_heads, a.head_dim, target.dtype)
+    layers = a.num_layers + extra_layers  # a proposer's layers (an EAGLE head's) share the budget
+    per_block = KVCache.bytes_per_block(layers, e.block_size, a.num_kv_heads, a.head_dim, target.dtype)
     if e.kv_cache_memory_gib is not None or target.device.type != "cuda":
         gib = e.kv_cache_memory_gib if e.kv_cache_memory_gib is not None else CPU_KV_CACHE_GIB
         return max(1, int(gib * (1 << 30)) // per_block)
@@ -118,7 +119,7 @@ def draft_sizes(k: int) -> tuple[int, ...]:
 
 
 class LLMEngine:
-    def __init__(self, cfg: Config, target: LoadedModel | None = None):
+    def __init__(self, cfg: Config, target: LoadedModel | None = None, proposer: Proposer | None = None):
         self.cfg = cfg
         e = cfg.engine
         if e.num_threads is not None:
@@ -144,14 +145,18 @@ class LLMEngine:
         cuda = target.device.type == "cuda"
         single = getattr(target, "tp", None) is None  # TP runs eager torch (no static runner or graphs)
         graphs = cuda and single and e.cuda_graphs != "off"
-        num_blocks = _num_blocks(cfg, target, e.max_num_seqs * (1 + self.k) if graphs else 0)
+        extra = KV_LAYERS.get(spec.method, 0) if spec is not None and proposer is None else 0
+        num_blocks = _num_blocks(cfg, target, e.max_num_seqs * (1 + self.k) if graphs else 0, extra)
         a = target.arch
-        self.kv = KVCache(a.num_layers, num_blocks, e.block_size, a.num_kv_heads, a.head_dim, target.dtype, target.device)
+        self.kv = KVCache(a.num_layers + extra, num_blocks, e.block_size, a.num_kv_heads, a.head_dim, target.dtype,
+                          target.device)
         self.blocks = BlockManager(num_blocks, e.block_size, enable_caching=e.enable_prefix_caching)
         self._prefix_reported = (0, 0)  # prefix-cache (queried, hit) tokens already in StepStats
-        self.proposer: Proposer | None = None
-        if spec is not None:
-            ctx = ProposerContext(target=target, draft_model=cfg.draft, engine=e, num_kv_blocks=num_blocks)
+        # ``proposer``: one built by the caller (the head trainer's feature recorder)
+        self.proposer: Proposer | None = proposer
+        if spec is not None and proposer is None:
+            ctx = ProposerContext(target=target, draft_model=cfg.draft, engine=e, num_kv_blocks=num_blocks,
+                                  kv=self.kv, blocks=self.blocks)
             self.proposer = build_proposer(spec, ctx)
             if spec.rejection_sample_method == "synthetic":
                 log.warning(
@@ -408,10 +413,11 @@ class LLMEngine:
             prop, from_prediction = self.predictions.propose(reqs, fwd, self.proposer, self.method_k)
         else:
             prop, from_prediction = self.proposer.propose(reqs, fwd), [0] * len(reqs)
-        for r, toks, n_pred in zip(reqs, prop.token_ids, from_prediction):
+        for i, (r, toks, n_pred) in enumerate(zip(reqs, prop.token_ids, from_prediction)):
             if r.max_drafts > 0:
                 r.seq.draft_token_ids = list(toks[: r.max_drafts])
                 r.seq.num_prediction_drafts = n_pred
+                r.seq.draft_probs = prop.probs[i] if prop.probs is not None else None
 
     def _verify(self, sampled, drafts_all, scheduled, fwd) -> list[tuple[list[int], int] | Exception]:
         """Per sampled seq: (emitted tokens, number of accepted drafts), or the exception
@@ -462,7 +468,7 @@ class LLMEngine:
         inputs = self.sampler.prepare(
             rows, drafts, temps, top_ks, top_ps, min_ps, [st.seed for st in states], [st.offset for st in states]
         )
-        packed = self.sampler.sample(logits, inputs)
+        packed = self.sampler.sample(logits, inputs, draft_probs=self._draft_probs(sampled, drafts))
         want = [s.seq.params.logprobs for s in sampled]
         if all(k is None for k in want):
             results = self.sampler.fetch(packed, len(sampled))
@@ -477,6 +483,23 @@ class LLMEngine:
         for st in states:
             st.offset += self.sampler.uniforms_per_step
         return results
+
+    def _draft_probs(self, sampled, drafts) -> torch.Tensor | None:
+        """(B, K, V) q of each request's drafts for probabilistic verification: the
+        proposer's distributions where it sampled the drafts from one, one-hot at the
+        draft otherwise; None (one-hot everywhere) when no request has any."""
+        qs = [s.seq.draft_probs for s in sampled]
+        for s in sampled:
+            s.seq.draft_probs = None
+        if self.sampler.method != "probabilistic" or all(q is None or not d for q, d in zip(qs, drafts)):
+            return None
+        out = torch.zeros(len(sampled), self.sampler.K, self.target.arch.vocab_size, device=self.target.device)
+        for b, (q, d) in enumerate(zip(qs, drafts)):
+            if q is not None:
+                out[b, : len(d)] = q[: len(d)]
+            elif d:
+                out[b, torch.arange(len(d)), torch.tensor(d)] = 1.0
+        return out
 
     def _commit(self, scheduled, drafts, results) -> list[RequestOutput]:
         now = time.monotonic()

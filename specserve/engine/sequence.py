@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from specserve.request import FinishReason, SamplingParams, SpecDecodeStats
 
@@ -38,6 +39,9 @@ class Sequence:
     num_preemptions: int = 0
     # Drafts proposed after the last verification, to be verified by the next step.
     draft_token_ids: list[int] = field(default_factory=list)
+    # (n, V) float32: the distributions the drafts were sampled from (probabilistic
+    # verification), or None when they are deterministic (one-hot q).
+    draft_probs: Any = None
     # How many leading drafts of draft_token_ids came from the request's Predicted Output.
     num_prediction_drafts: int = 0
 

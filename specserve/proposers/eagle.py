@@ -8,6 +8,12 @@ plus the accepted drafts), writing the head's K/V for those positions, then
 drafts K tokens autoregressively on its own hidden state.  Row alignment:
 head position p reads target feature p and token p + 1.
 
+Prefix caching: cached blocks hold the head's K/V too (written by the request
+that computed them; the head's rows there were real).  The one row that may
+not fit a new request is a cached block's last position, whose head row read
+the token after the block (outside the block's hash): a draft-quality effect
+at one position, never an output change.
+
 KV cache: one more layer in the engine's KV cache (the engine allocates
 ``num_layers + 1`` layers for these methods, inside its KV budget), addressed
 by each sequence's own block table; the proposer grows the table by the K - 1
@@ -55,7 +61,7 @@ DRAFT_STREAM_SALT = 0x9E3779B97F4A7C15
 
 @dataclass
 class _HeadState:
-    num_fed: int = 0  # target positions whose features the head has consumed (its real rows)
+    num_fed: int = 0  # target positions whose features the head has consumed (its real rows end here)
     seed: int | None = None  # int64 Philox key of the request's draft stream
 
 
@@ -112,7 +118,10 @@ class EagleProposer:
             if rows is None or len(rows) == 0:
                 continue
             st = self.states.setdefault(r.seq.request_id, _HeadState())
-            p0 = st.num_fed
+            # The rows are the positions just committed: they end at the target's computed
+            # count (they start past any prefix-cached blocks, whose head K/V is cached too).
+            computed = getattr(r.seq, "num_computed", None)
+            p0 = computed - len(rows) if computed is not None else st.num_fed
             toks = r.seq.token_ids[p0 + 1 : p0 + 1 + len(rows)]  # head row p reads token p + 1
             n = len(toks)
             if n == 0:

@@ -103,19 +103,20 @@ def write_head(
     aux_ids: list[int] | None = None, fmt: str = "safetensors", own_embed: bool | None = None,
     speculative_tokens: int = 5, verifier: str = "target", drop: tuple[str, ...] = (),
     config_over: dict | None = None, tensor_over: dict | None = None, target_lm_head: torch.Tensor | None = None,
+    vocab: int | None = None,
 ) -> Path:
     """Write a head for a target shaped like ``TARGET`` in ``layout``.  An oracle EAGLE-3
     head with a reduced vocabulary takes its LM head rows from ``target_lm_head``."""
     g = torch.Generator().manual_seed(seed)
-    H, I, V = TARGET["hidden_size"], TARGET["intermediate_size"], TARGET["vocab_size"]
+    H, I, V = TARGET["hidden_size"], TARGET["intermediate_size"], vocab or TARGET["vocab_size"]
     nh, hd = TARGET["num_attention_heads"], TARGET["head_dim"]
+    heads = {"vocab_size": V}
     nkv = (config_over or {}).get("num_key_value_heads", TARGET["num_key_value_heads"])
     eagle3 = layout not in ("eagle", "speculators-eagle")
     t: dict[str, torch.Tensor] = {}
-    heads = {}
     if eagle3 and oracle:
         nh, nkv, hd = 1, 1, H
-        heads = dict(num_attention_heads=1, num_key_value_heads=1, head_dim=H)
+        heads.update(num_attention_heads=1, num_key_value_heads=1, head_dim=H)
     if eagle3:
         layer = _eagle3_layer(g, H, I, nh, nkv, hd, oracle)
         prefix = "midlayer." if layout in ("eagle3", "specforge") else "layers.0."
@@ -185,7 +186,7 @@ def write_head(
             else:
                 cfg["eagle_aux_hidden_state_layer_ids"] = aux_ids
     else:
-        cfg = _layer_cfg(architectures=["LlamaForCausalLM"])
+        cfg = _layer_cfg(architectures=["LlamaForCausalLM"], **heads)
     cfg.update(config_over or {})
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg))

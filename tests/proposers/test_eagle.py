@@ -74,9 +74,9 @@ def _method(layout: str) -> str:
     return "eagle" if layout in ("eagle", "speculators-eagle") else "eagle3"
 
 
-def _check_lossless(target_dir, head, method, prompts, expected, **cfg_kw):
+def _check_lossless(target_dir, head, method, prompts, expected, max_tokens=24, **cfg_kw):
     eng = engine(tiny_config(target_dir, method, k=K, draft_dir=head, **cfg_kw))
-    outs = eng.generate(prompts, [greedy(24) for _ in prompts])
+    outs = eng.generate(prompts, [greedy(max_tokens) for _ in prompts])
     assert [o.token_ids for o in outs] == expected
     assert eng.blocks.num_free == eng.blocks.num_blocks
     assert not eng.proposer.states  # every request's head state was dropped
@@ -223,3 +223,14 @@ def test_bad_heads_fail_with_one_line(root, target, name, layout, kw, expected):
         engine(tiny_config(target, method, k=K, draft_dir=head))
     msg = str(e.value)
     assert expected in msg and "\n" not in msg, msg
+
+
+def test_prefix_cached_prompts(root, exact_bigram):
+    """Prompts sharing cached blocks: the head's rows start past the cached prefix."""
+    common = random_prompts(1, seed=9, lo=10, hi=11)[0]
+    prompts = [common + tail for tail in random_prompts(5, seed=10, lo=1, hi=6)]
+    expected = run(engine(tiny_config(exact_bigram)), prompts, [greedy(16) for _ in prompts])
+    head = write_head(root / "oracle-cache", "eagle", oracle=True)
+    eng, outs = _check_lossless(exact_bigram, head, "eagle", prompts, expected, max_tokens=16)
+    assert eng.blocks.num_hit_tokens > 0
+    assert sum(o.spec.num_accepted_tokens for o in outs) == sum(o.spec.num_draft_tokens for o in outs)
