@@ -149,6 +149,13 @@ def _run(argv: list[str] | None, body: Callable[[Config], int]) -> int:
         if cfg is None:
             return 0
         _cap_onednn_isa(cfg)
+        if cfg.parallelism.tensor_parallel_size > 1:
+            from specserve.parallel.launch import is_worker_process
+
+            if is_worker_process(cfg):  # a rank > 0 under torchrun or a LeaderWorkerSet
+                from specserve.parallel.worker import run_worker
+
+                return run_worker(cfg)
         return body(cfg)
     except (UsageError, SpecServeError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -175,7 +182,13 @@ def _serve(cfg: Config) -> int:
 
     logging.getLogger().setLevel(cfg.server.log_level)
     engine = build_async_engine(cfg)
-    return run_server(cfg, engine)
+    if cfg.parallelism.tensor_parallel_size == 1:
+        return run_server(cfg, engine)
+    from specserve.parallel import launch
+
+    launch.attach_engine(engine)  # a dead rank: health NOT_SERVING, then exit non-zero
+    code = run_server(cfg, engine)
+    return launch.shutdown(failed=code != 0) or code  # every rank exits; 0 only if all did cleanly
 
 
 def _generate(cfg: Config) -> int:

@@ -161,6 +161,8 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             dtype=str(info.dtype),
             device=str(info.device),
             lossless=bool(info.lossless),
+            tensor_parallel_size=int(getattr(info, "tensor_parallel_size", 1)),
+            draft_tensor_parallel_size=int(getattr(info, "draft_tensor_parallel_size", 1)),
         )
 
 

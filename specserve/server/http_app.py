@@ -381,6 +381,10 @@ def _model_card(fe: Frontend) -> dict[str, Any]:
             "num_speculative_tokens": info.num_speculative_tokens,
             "lossless": bool(info.lossless),
         },
+        "parallelism": {  # the layout (tensor parallelism, issue #14)
+            "tensor_parallel_size": int(getattr(info, "tensor_parallel_size", 1)),
+            "draft_tensor_parallel_size": int(getattr(info, "draft_tensor_parallel_size", 1)),
+        },
     }
 
 

@@ -297,6 +297,13 @@ def run_server(cfg: Config | ServerConfig, engine: Any) -> int:
     return asyncio.run(_serve(_server_config(cfg), engine))
 
 
+async def _engine_fatal(engine: Any) -> None:
+    """Return once an engine that must not outlive a failure (``exit_on_failure``, set for
+    tensor parallelism, where a dead rank cannot come back) has failed."""
+    while not (getattr(engine, "exit_on_failure", False) and not engine.healthy):
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
 async def _serve(cfg: ServerConfig, engine: Any) -> int:
     loop = asyncio.get_running_loop()
     servers = SpecServeServers(cfg, engine)  # registers the metrics listener before the engine runs
@@ -318,7 +325,15 @@ async def _serve(cfg: ServerConfig, engine: Any) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
-        await stop_requested.wait()
+        stop_wait = loop.create_task(stop_requested.wait())
+        fatal = loop.create_task(_engine_fatal(engine))
+        await asyncio.wait([stop_wait, fatal], return_when=asyncio.FIRST_COMPLETED)
+        if fatal.done():  # e.g. a tensor-parallel rank died: NOT_SERVING already, then exit non-zero
+            stop_wait.cancel()
+            log.error("the engine failed (%s); exiting with code 1", getattr(engine, "failure", None))
+            await asyncio.sleep(servers.engine_dead_grace_s)  # in-flight requests get their errors first
+            return 1
+        fatal.cancel()
         drain_task = loop.create_task(servers.drain())
         try:
             await drain_task
