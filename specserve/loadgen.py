@@ -267,8 +267,9 @@ class HttpClient:
         bad = [
             b'{"prompt": "hello", "max_tokens": ',  # malformed JSON
             json.dumps({"prompt": "hello", "temperature": -1}).encode(),
-            json.dumps({"prompt": "hello", "n": 2}).encode(),
-            json.dumps({"prompt": ["a", "b"]}).encode(),
+            json.dumps({"prompt": "hello", "n": 0}).encode(),  # n and list prompts are valid (issue #13) ...
+            json.dumps({"prompt": "hello", "n": 1000}).encode(),  # ... within their limits
+            json.dumps({"prompt": ["a", 5]}).encode(),
             # The adversarial probe's inputs (issue #8): each must be 400 and harmless.
             b'{"prompt": "hello", "max_tokens": 4, "seed": 18446744073709551616}',
             b'{"prompt": "hello", "max_tokens": 4, "seed": -9223372036854775809}',

@@ -477,7 +477,7 @@ class LLMEngine:
             top = max(k for k in want if k is not None)
             cols = logprob_columns(logits, inputs.row_index, packed[:, :K1], top)
             host = self.sampler.copy_to_host(torch.cat([packed, cols], dim=1))[: len(sampled)].numpy()
-            results = unpack(host[:, : K1 + 1])
+            results = unpack(host[:, : K1 + 1].tolist())
             lps = logprob_lists(host[:, K1 + 1 :], [r[0] for r in results], want, K1, top)
             results = [r if lp is None else (r[0], r[1], lp) for r, lp in zip(results, lps)]
         for st in states:

@@ -45,6 +45,15 @@ class SamplingFields:
     stop: Any = None
     stop_token_ids: Any = None
     ignore_eos: Any = None
+    # Logits controls, log-probabilities and structured outputs (issue #13)
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    min_tokens: Any = None
+    logprobs: Any = None  # None = none; k = the token's log-probability + top k
+    prompt_logprobs: Any = None
+    structured_outputs: Any = None  # a StructuredOutputsParams
 
 
 class HealthState:
@@ -201,6 +210,14 @@ class Frontend:
             stop=[] if f.stop is None else f.stop,
             stop_token_ids=[] if f.stop_token_ids is None else f.stop_token_ids,
             ignore_eos=False if f.ignore_eos is None else f.ignore_eos,
+            presence_penalty=0.0 if f.presence_penalty is None else f.presence_penalty,
+            frequency_penalty=0.0 if f.frequency_penalty is None else f.frequency_penalty,
+            repetition_penalty=1.0 if f.repetition_penalty is None else f.repetition_penalty,
+            logit_bias=f.logit_bias,
+            min_tokens=0 if f.min_tokens is None else f.min_tokens,
+            logprobs=f.logprobs,
+            prompt_logprobs=f.prompt_logprobs,
+            structured_outputs=f.structured_outputs,
         )
         return params.validate(self.cfg.max_tokens_cap)
 

@@ -17,6 +17,7 @@ aborts the request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -33,6 +34,7 @@ from specserve.request import RequestOutput
 from specserve.server.auth import OPEN_HTTP_PATHS, ApiKeyChecker
 from specserve.server.errors import INTERNAL, classify, openai_error_body
 from specserve.server.frontend import Frontend, PreparedRequest, SamplingFields
+from specserve.server.openai_features import Features, completion_prompts, parse_features, serve_choices
 
 log = logging.getLogger("specserve.server.http")
 
@@ -40,18 +42,10 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 INLINE_JSON_BYTES = 64 * 1024
 
 # OpenAI fields this server does not implement: accepted only at their no-op values.
+# (n, best_of, echo, logprobs, penalties, logit_bias, response_format: openai_features.py)
 _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
     "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
 
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
@@ -102,9 +96,6 @@ def _common_checks(body: dict[str, Any]) -> tuple[bool, bool]:
     for name, allowed in _UNSUPPORTED_FIELDS.items():
         if name in body and body[name] not in allowed:
             raise InvalidRequestError(name, "is not supported by this server")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise InvalidRequestError("n", f"only n=1 is supported, got {n!r}")
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options")
     include_usage = False
@@ -136,32 +127,16 @@ def _sampling_fields(body: dict[str, Any]) -> tuple[SamplingFields, str]:
     return fields, max_key
 
 
-def _params(fe: Frontend, body: dict[str, Any]):
+def _params(fe: Frontend, body: dict[str, Any], features: Features | None = None):
     fields, max_key = _sampling_fields(body)
+    if features is not None:
+        fields = dataclasses.replace(fields, **features.fields)
     try:
         return fe.make_params(fields)
     except InvalidRequestError as exc:
         if exc.field == "max_tokens" and max_key != "max_tokens":  # name the field the client sent
             raise InvalidRequestError(max_key, str(exc).split(": ", 1)[1]) from None
         raise
-
-
-async def _completion_prompt(fe: Frontend, body: dict[str, Any]) -> list[int]:
-    if "prompt" not in body or body["prompt"] is None:
-        raise InvalidRequestError("prompt", "is required")
-    prompt = body["prompt"]
-    if isinstance(prompt, str):
-        return await fe.tokenize_prompt_async(prompt)
-    if isinstance(prompt, list):
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return fe.check_token_ids(prompt, field="prompt")
-        if len(prompt) == 1:  # a batch of one: ["text"] or [[ids]]
-            return await _completion_prompt(fe, {"prompt": prompt[0]})
-        if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise InvalidRequestError("prompt", f"only one prompt per request is supported, got {len(prompt)}")
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-    raise InvalidRequestError("prompt", "must be a string or a list of token ids")
 
 
 def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
@@ -347,12 +322,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     fe.check_model(body.get("model"))
     stream, include_usage = _common_checks(body)
-    ids = await _completion_prompt(fe, body)
-    params = _params(fe, body)
+    features = parse_features(body, chat=False)
+    prompts, texts = await completion_prompts(fe, body)
+    params = _params(fe, body, features)
     params.prediction_token_ids = await _prediction(fe, body)
     shape = _Shape(False, f"cmpl-{uuid.uuid4().hex}", fe.model_name)
-    req = fe.prepare(shape.id, ids, params)
-    return await _generate(request, req, shape, stream, include_usage)
+    if features.plain and len(prompts) == 1:
+        req = fe.prepare(shape.id, prompts[0], params)
+        return await _generate(request, req, shape, stream, include_usage)
+    return await serve_choices(request, fe, shape, prompts, texts, params, features, stream, include_usage, _sse)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -360,12 +338,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     fe.check_model(body.get("model"))
     stream, include_usage = _common_checks(body)
+    features = parse_features(body, chat=True)
     ids = await fe.tokenize_messages_async(_chat_messages(body))
-    params = _params(fe, body)
+    params = _params(fe, body, features)
     params.prediction_token_ids = await _prediction(fe, body)
     shape = _Shape(True, f"chatcmpl-{uuid.uuid4().hex}", fe.model_name)
-    req = fe.prepare(shape.id, ids, params)
-    return await _generate(request, req, shape, stream, include_usage)
+    if features.plain:
+        req = fe.prepare(shape.id, ids, params)
+        return await _generate(request, req, shape, stream, include_usage)
+    return await serve_choices(request, fe, shape, [ids], [None], params, features, stream, include_usage, _sse)
 
 
 def _model_card(fe: Frontend) -> dict[str, Any]:

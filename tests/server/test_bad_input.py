@@ -54,7 +54,15 @@ COMPLETION_CASES = [
     ("empty prompt", {"prompt": ""}, "prompt"),
     ("missing prompt", {"max_tokens": 3}, "prompt"),
     ("prompt wrong type", {"prompt": 5}, "prompt"),
-    ("several prompts", {"prompt": ["a", "b"]}, "prompt"),
+    ("a prompt list of mixed kinds", {"prompt": ["a", 5]}, "prompt"),
+    ("n 0", {"prompt": "hi", "n": 0}, "n"),
+    ("best_of < n", {"prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
+    ("best_of with stream", {"prompt": "hi", "n": 1, "best_of": 2, "stream": True}, "best_of"),
+    ("logprobs over 5", {"prompt": "hi", "logprobs": 6}, "logprobs"),
+    ("presence_penalty out of range", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ("logit_bias bad key", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("logit_bias out of range", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("response_format unknown type", {"prompt": "hi", "response_format": {"type": "yaml"}}, "response_format"),
     ("prompt longer than max_model_len", {"prompt": LONG}, "prompt"),
     ("token id out of vocab", {"prompt": [1, 99999]}, "prompt_token_ids"),
     ("max_tokens 0", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
@@ -69,11 +77,11 @@ COMPLETION_CASES = [
     ("stop wrong type", {"prompt": "hi", "stop": 7}, "stop"),
     ("stop_token_ids wrong type", {"prompt": "hi", "stop_token_ids": ["a"]}, "stop_token_ids"),
     ("ignore_eos wrong type", {"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
-    ("n > 1", {"prompt": "hi", "n": 2}, "n"),
+    ("n too large", {"prompt": "hi", "n": 1000}, "n"),
     ("stream wrong type", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("stream_options without stream", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("model wrong type", {"prompt": "hi", "model": 3}, "model"),
-    ("unsupported echo", {"prompt": "hi", "echo": True}, "echo"),
+    ("echo wrong type", {"prompt": "hi", "echo": "yes"}, "echo"),
 ]
 
 CHAT_CASES = [
@@ -84,7 +92,12 @@ CHAT_CASES = [
     ("content wrong type", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ("temperature < 0", {"messages": [{"role": "user", "content": "hi"}], "temperature": -2}, "temperature"),
-    ("n > 1", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+    ("n too large", {"messages": [{"role": "user", "content": "hi"}], "n": 1000}, "n"),
+    ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3},
+     "top_logprobs"),
+    ("echo on chat", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+    ("json_schema without schema", {"messages": [{"role": "user", "content": "hi"}],
+                                    "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
 ]
 
 

@@ -1,0 +1,455 @@
+"""OpenAI features of the HTTP front end (issue #13): n / best_of, batched prompts, echo,
+log-probabilities, penalties, logit_bias, min_tokens and structured outputs.
+
+Parsing (:func:`parse_features`) turns the body's fields into ``SamplingFields``
+extras plus the fan-out; :func:`serve_choices` runs one engine request per
+choice (``n`` copies of each prompt, or ``best_of`` candidates of which the ``n``
+with the highest cumulative log-probability are returned), concurrently, and
+answers with OpenAI's shapes, streamed (chunks of all choices interleaved, each
+with its ``index``) or not.  Choice ``index`` = prompt index * n + copy, as OpenAI
+numbers them.  The copies of one prompt share its KV blocks through the prefix
+cache (the scheduler lets a copy wait one step for the blocks another copy is
+computing).
+
+Seeds: with ``seed`` s and several copies, copy i samples with seed s + i (vLLM's
+rule), so the copies differ and the whole answer is reproducible.
+
+Log-probabilities are the target's, after the request's penalties/bias/grammar,
+before temperature and top-k/top-p (``specserve.sampling.logits_processors``);
+-inf (a token a grammar forbids) is sent as -9999.0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from specserve.errors import InvalidRequestError
+from specserve.request import MAX_LOGPROBS, SEED_MAX, RequestOutput, SamplingParams, StructuredOutputsParams
+from specserve.sampling.logits_processors import LOGPROB_FLOOR
+
+MAX_N = 16  # choices (n, best_of) per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+COMPLETIONS_MAX_LOGPROBS = 5  # OpenAI's limit for /v1/completions logprobs
+
+
+@dataclass
+class Features:
+    fields: dict[str, Any] = field(default_factory=dict)  # extra SamplingFields
+    n: int = 1
+    best_of: int = 1
+    echo: bool = False
+    logprobs: int | None = None  # top-k per token, None = no logprobs in the answer
+
+    @property
+    def plain(self) -> bool:
+        """One choice per prompt and nothing this module must shape."""
+        return self.n == 1 and self.best_of == 1 and not self.echo and self.logprobs is None
+
+
+def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidRequestError(name, f"must be an integer, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise InvalidRequestError(name, f"must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _structured(body: dict) -> StructuredOutputsParams | None:
+    specs: list[tuple[str, StructuredOutputsParams]] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise InvalidRequestError("response_format", 'type must be "text", "json_object" or "json_schema"')
+        if rf["type"] == "json_object":
+            specs.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("response_format", "json_schema.schema must be a JSON schema object")
+            specs.append(("response_format", StructuredOutputsParams(json=schema)))
+    so = body.get("structured_outputs")  # vLLM's extension: {json | regex | choice | grammar}
+    if so is not None:
+        if not isinstance(so, dict) or not so:
+            raise InvalidRequestError("structured_outputs", "must be an object with one of json, regex, choice, grammar")
+        unknown = set(so) - {"json", "regex", "choice", "grammar", "json_object"}
+        if unknown:
+            raise InvalidRequestError("structured_outputs", f"unknown keys {sorted(unknown)}")
+        specs.append(("structured_outputs", StructuredOutputsParams(**so)))
+    for key, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):  # fmt: skip
+        if body.get(key) is not None:  # vLLM's older names
+            specs.append((key, StructuredOutputsParams(**{kind: body[key]})))
+    if not specs:
+        return None
+    if len(specs) > 1:
+        raise InvalidRequestError(specs[1][0], f"only one structured output may be given; {specs[0][0]} is set too")
+    name, spec = specs[0]
+    try:
+        kind = spec.kind()
+    except InvalidRequestError as e:
+        raise InvalidRequestError(name, str(e).split(": ", 1)[-1]) from None
+    if kind == "json" and isinstance(spec.json, str):
+        try:
+            spec.json = json.loads(spec.json)
+        except ValueError as e:
+            raise InvalidRequestError(name, f"the JSON schema is not valid JSON: {e}") from None
+    return spec
+
+
+def parse_features(body: dict, chat: bool) -> Features:
+    f = Features()
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"):
+        if body.get(name) is not None:
+            f.fields[name] = body[name]
+    so = _structured(body)
+    if so is not None:
+        f.fields["structured_outputs"] = so
+    f.n = _int(body, "n", 1, MAX_N) or 1
+    if chat:
+        if body.get("echo"):
+            raise InvalidRequestError("echo", "is not supported for chat completions")
+        if body.get("best_of") not in (None, 1):
+            raise InvalidRequestError("best_of", "is not supported for chat completions")
+        lp = body.get("logprobs")
+        if lp is not None and not isinstance(lp, bool):
+            raise InvalidRequestError("logprobs", f"must be a boolean, got {type(lp).__name__}")
+        top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if top is not None and top > 0 and not lp:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        f.logprobs = (top or 0) if lp else None
+    else:
+        f.best_of = _int(body, "best_of", 1, MAX_N) or f.n
+        if f.best_of < f.n:
+            raise InvalidRequestError("best_of", f"must be >= n ({f.n}), got {f.best_of}")
+        if f.best_of > f.n and body.get("stream"):
+            raise InvalidRequestError("best_of", "cannot be used with stream: true (the best are known at the end)")
+        f.logprobs = _int(body, "logprobs", 0, COMPLETIONS_MAX_LOGPROBS)
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise InvalidRequestError("echo", f"must be a boolean, got {type(echo).__name__}")
+        f.echo = bool(echo)
+    if f.logprobs is not None:
+        f.fields["logprobs"] = f.logprobs
+    return f
+
+
+async def completion_prompts(fe: Any, body: dict) -> tuple[list[list[int]], list[str | None]]:
+    """The prompts of a completions request (a string, token ids, or a list of either) and
+    their texts (None where given as ids)."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise InvalidRequestError("prompt", "is required")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return [await fe.tokenize_prompt_async(prompt)], [prompt]
+    if isinstance(prompt, list):
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [fe.check_token_ids(prompt, field="prompt")], [None]
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidRequestError("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        ids, texts = [], []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                ids.append(await fe.tokenize_prompt_async(p))
+                texts.append(p)
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                ids.append(fe.check_token_ids(p, field=f"prompt[{i}]"))
+                texts.append(None)
+            else:
+                raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list of either")
+        return ids, texts
+    raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list of either")
+
+
+# --------------------------------------------------------------------------- log-probability shapes
+
+
+class TokenText:
+    """Token id -> the text and bytes OpenAI shows for it."""
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, t: int) -> tuple[str, list[int]]:
+        got = self.cache.get(t)
+        if got is None:
+            text = self.tok.decode([t], skip_special_tokens=False)
+            got = (text, list(text.encode("utf-8", errors="replace")))
+            self.cache[t] = got
+        return got
+
+
+def _lp(x: float) -> float:
+    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def completion_logprobs(tt: TokenText, lps: list, offset0: int = 0) -> dict[str, Any]:
+    """OpenAI's completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = offset0
+    for e in lps:
+        if e is None:  # the first prompt token (echo)
+            continue
+        text = tt(e.token_id)[0]
+        tokens.append(text)
+        token_lps.append(_lp(e.logprob))
+        tops.append({tt(i)[0]: _lp(v) for i, v in e.top} if e.top else None)
+        offsets.append(off)
+        off += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_entries(tt: TokenText, ids: list[int], lps: list) -> tuple[list[str], list, list, list[int]]:
+    """Echo: the prompt's tokens with their log-probabilities (the first has none)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = 0
+    for i, t in enumerate(ids):
+        e = lps[i] if i < len(lps) else None
+        text = tt(t)[0]
+        tokens.append(text)
+        token_lps.append(None if e is None else _lp(e.logprob))
+        tops.append(None if e is None else {tt(j)[0]: _lp(v) for j, v in e.top})
+        offsets.append(off)
+        off += len(text)
+    return tokens, token_lps, tops, offsets
+
+
+def chat_logprobs(tt: TokenText, lps: list) -> dict[str, Any]:
+    content = []
+    for e in lps:
+        text, b = tt(e.token_id)
+        content.append({
+            "token": text, "logprob": _lp(e.logprob), "bytes": b,
+            "top_logprobs": [{"token": tt(i)[0], "logprob": _lp(v), "bytes": tt(i)[1]} for i, v in e.top],
+        })  # fmt: skip
+    return {"content": content, "refusal": None}
+
+
+# --------------------------------------------------------------------------- fan-out
+
+
+@dataclass
+class _Job:
+    index: int  # choice index (or candidate index with best_of)
+    prompt: int
+    req: Any  # PreparedRequest
+    last: RequestOutput | None = None
+    sent_echo: bool = False
+    prompt_lps: list | None = None  # echo: the prompt's log-probabilities, when they arrive
+
+
+def _child_seed(seed: int, i: int) -> int:
+    return seed + i if seed + i <= SEED_MAX else seed - i
+
+
+def _jobs(fe: Any, shape: Any, prompts: list[list[int]], params: SamplingParams, f: Features) -> list[_Job]:
+    jobs = []
+    per = f.best_of
+    for p, ids in enumerate(prompts):
+        for c in range(per):
+            sp = copy.copy(params)
+            if params.seed is not None and c:
+                sp.seed = _child_seed(params.seed, c)
+            if per > f.n and sp.logprobs is None:
+                sp.logprobs = 0  # best_of ranks by cumulative log-probability
+            if f.echo and f.logprobs is not None:
+                sp.prompt_logprobs = f.logprobs
+            jobs.append(_Job(p * per + c, p, fe.prepare(f"{shape.id}-{p}-{c}", ids, sp)))
+    return jobs
+
+
+def _spec(outs: list[RequestOutput]) -> dict[str, Any]:
+    d = sum(o.spec.num_drafts for o in outs)
+    a = sum(o.spec.num_accepted_tokens for o in outs)
+    return {"num_drafts": d, "num_draft_tokens": sum(o.spec.num_draft_tokens for o in outs),
+            "num_accepted_tokens": a, "mean_acceptance_length": 1.0 + a / d if d else 1.0}  # fmt: skip
+
+
+def _usage(jobs: list[_Job], n_prompts: int) -> dict[str, Any]:
+    seen: dict[int, int] = {}
+    completion = 0
+    for j in jobs:
+        if j.last is not None:
+            seen[j.prompt] = j.last.num_prompt_tokens
+            completion += len(j.last.token_ids)
+    prompt = sum(seen.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Shaper:
+    def __init__(self, shape: Any, fe: Any, f: Features, texts: list[str | None], prompts: list[list[int]]):
+        self.shape, self.f, self.texts, self.prompts = shape, f, texts, prompts
+        self.tt = TokenText(fe.engine.tokenizer)
+        self.tok = fe.engine.tokenizer
+
+    def _prompt_text(self, p: int) -> str:
+        t = self.texts[p]
+        return t if t is not None else self.tok.decode(self.prompts[p])
+
+    def _logprobs(self, job: _Job, out: RequestOutput, lps: list | None, echo: bool) -> dict | None:
+        if self.f.logprobs is None:
+            return None
+        lps = lps or []
+        if self.shape.chat:
+            return chat_logprobs(self.tt, lps)
+        if not echo:
+            return completion_logprobs(self.tt, lps)
+        tokens, token_lps, tops, offsets = prompt_entries(self.tt, self.prompts[job.prompt], job.prompt_lps or [])
+        rest = completion_logprobs(self.tt, lps, (offsets[-1] + len(tokens[-1])) if tokens else 0)
+        return {"tokens": tokens + rest["tokens"], "token_logprobs": token_lps + rest["token_logprobs"],
+                "top_logprobs": tops + rest["top_logprobs"], "text_offset": offsets + rest["text_offset"]}  # fmt: skip
+
+    def full_choice(self, index: int, job: _Job) -> dict[str, Any]:
+        out = job.last
+        finish = out.finish_reason.value if out.finish_reason is not None else None
+        lps = self._logprobs(job, out, out.logprobs, self.f.echo)
+        if self.shape.chat:
+            return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": lps,
+                    "finish_reason": finish}  # fmt: skip
+        text = (self._prompt_text(job.prompt) + out.text) if self.f.echo else out.text
+        return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
+
+    def chunk_choice(self, job: _Job, out: RequestOutput | None) -> dict[str, Any]:
+        if self.shape.chat:
+            if out is None:
+                return {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}  # fmt: skip
+            delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+            lps = self._logprobs(job, out, out.new_logprobs, False)
+            return {"index": job.index, "delta": delta, "logprobs": lps, "finish_reason": _finish(out)}
+        echo = self.f.echo and not job.sent_echo
+        job.sent_echo = True
+        text = (self._prompt_text(job.prompt) + out.new_text) if echo else out.new_text
+        return {"index": job.index, "text": text, "logprobs": self._logprobs(job, out, out.new_logprobs, echo),
+                "finish_reason": _finish(out)}  # fmt: skip
+
+
+def _finish(out: RequestOutput) -> str | None:
+    return out.finish_reason.value if out.finished and out.finish_reason is not None else None
+
+
+def _cumulative(out: RequestOutput) -> float:
+    return sum(e.logprob for e in (out.logprobs or []))
+
+
+async def _consume(fe: Any, job: _Job, queue: asyncio.Queue | None) -> None:
+    async with aclosing(fe.stream(job.req)) as outputs:
+        async for out in outputs:
+            job.last = out
+            if out.prompt_logprobs is not None:
+                job.prompt_lps = out.prompt_logprobs
+            if queue is not None:
+                await queue.put((job, out))
+    if queue is not None:
+        await queue.put((job, None))
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def serve_choices(request: web.Request, fe: Any, shape: Any, prompts: list[list[int]], texts: list[str | None],
+                        params: SamplingParams, f: Features, stream: bool, include_usage: bool,
+                        sse: Any) -> web.StreamResponse:  # fmt: skip
+    jobs = _jobs(fe, shape, prompts, params, f)
+    shaper = _Shaper(shape, fe, f, texts, prompts)
+    if not stream:
+        tasks = [asyncio.create_task(_consume(fe, j, None)) for j in jobs]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    await _cancel(list(pending))
+                    raise t.exception()
+        finally:
+            await _cancel([t for t in tasks if not t.done()])
+        choices = []
+        if f.best_of > f.n:
+            for p in range(len(prompts)):
+                cands = [j for j in jobs if j.prompt == p]
+                best = sorted(cands, key=lambda j: _cumulative(j.last), reverse=True)[: f.n]
+                choices += [shaper.full_choice(p * f.n + r, j) for r, j in enumerate(best)]
+        else:
+            choices = [shaper.full_choice(j.index, j) for j in jobs]
+        body = shape._envelope("chat.completion" if shape.chat else "text_completion")
+        body.update(choices=choices, usage=_usage(jobs, len(prompts)), spec_decode=_spec([j.last for j in jobs]))
+        return web.json_response(body)
+
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_consume(fe, j, queue)) for j in jobs]
+    waiter = asyncio.ensure_future(asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION))
+    obj = "chat.completion.chunk" if shape.chat else "text_completion"
+
+    def chunk(choice: dict, out: RequestOutput | None) -> dict:
+        body = shape._envelope(obj)
+        body["choices"] = [choice]
+        if include_usage:
+            body["usage"] = None
+        if out is not None and out.finished:
+            body["spec_decode"] = _spec([out])
+        return body
+
+    async def next_item():
+        getter = asyncio.ensure_future(queue.get())
+        await asyncio.wait([getter, waiter], return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+        for t in tasks:  # a consumer failed
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        return await queue.get()
+
+    try:
+        first = await next_item()  # errors before the first output keep their HTTP status
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        await response.prepare(request)
+        if shape.chat:
+            for j in jobs:
+                await response.write(sse(chunk(shaper.chunk_choice(j, None), None)))
+        open_jobs = len(jobs)
+        item = first
+        try:
+            while True:
+                job, out = item
+                if out is None:
+                    open_jobs -= 1
+                    if open_jobs == 0:
+                        break
+                elif out.new_text or out.new_token_ids or out.finished:
+                    await response.write(sse(chunk(shaper.chunk_choice(job, out), out)))
+                item = await next_item()
+            if include_usage:
+                body = shape._envelope(obj)
+                body.update(choices=[], usage=_usage(jobs, len(prompts)), spec_decode=_spec([j.last for j in jobs]))
+                await response.write(sse(body))
+        except ConnectionError:
+            raise
+        except Exception as exc:  # after the headers: in-band, as OpenAI does
+            from specserve.server.errors import openai_error_body
+
+            fe.record_error(exc)
+            await response.write(sse(openai_error_body(exc)[1]))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    finally:
+        waiter.cancel()
+        await _cancel([t for t in tasks if not t.done()])
