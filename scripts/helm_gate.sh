@@ -35,7 +35,8 @@ RELEASE=specserve
 NAMESPACE=specserve
 RENDER_KUBE_VERSION=1.31.0
 VALIDATE_KUBE_VERSIONS=(1.29.0 1.31.0 1.33.0)
-CRD_APIS=(--api-versions monitoring.coreos.com/v1/ServiceMonitor --api-versions keda.sh/v1alpha1/ScaledObject)
+CRD_APIS=(--api-versions monitoring.coreos.com/v1/ServiceMonitor --api-versions keda.sh/v1alpha1/ScaledObject
+          --api-versions leaderworkerset.x-k8s.io/v1/LeaderWorkerSet)
 
 # helm must not read or write the user's config, cache or plugins.
 export HELM_CACHE_HOME="$TOOLS/helm-home/cache" HELM_CONFIG_HOME="$TOOLS/helm-home/config" \

@@ -37,11 +37,14 @@ def check(render: Path) -> tuple[str, str]:
     from specserve.cli import compose_config
 
     docs = [d for d in yaml.safe_load_all(render.read_text()) if d]
-    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
-    (c,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "specserve"]
+    # The server pod: the Deployment's, or (multi-node) the LeaderWorkerSet's leader (rank 0).
+    pods = [d["spec"]["template"] for d in docs if d["kind"] == "Deployment"]
+    pods += [d["spec"]["leaderWorkerTemplate"]["leaderTemplate"] for d in docs if d["kind"] == "LeaderWorkerSet"]
+    (pod,) = pods
+    (c,) = [c for c in pod["spec"]["containers"] if c["name"] == "specserve"]
     args = list(c["args"])
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-config")]
-    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "config")
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "config")
     with tempfile.TemporaryDirectory() as tmp:
         for item in vol["configMap"]["items"]:
             p = Path(tmp) / item["path"]

@@ -7,6 +7,10 @@
 * CRD kinds (ServiceMonitor, PodMonitor, ScaledObject): the typed cloudcoil models accept
   unknown fields, so each object is round-tripped (model_validate -> model_dump(by_alias,
   exclude_unset, json)) and must come back unchanged: a dropped key is an unknown field.
+* LeaderWorkerSet (leaderworkerset.x-k8s.io/v1; no typed model is published): its own
+  fields against a strict JSON schema written from the LWS v1 API types (LWS_SCHEMA), and
+  each pod template (leaderTemplate, workerTemplate) as a core/v1 PodTemplate with
+  kubernetes-validate, strict, for every Kubernetes version given.
 * Before anything else, a canary: a Deployment with one unknown field must be REJECTED,
   and a ServiceMonitor with one unknown field must be caught; otherwise the validator
   itself is broken and the gate fails.
@@ -60,6 +64,90 @@ def _diff(a: Any, b: Any, path: str = "") -> list[str]:
     return []
 
 
+LWS_API = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+_INT_OR_STRING = {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": "^[0-9]+%$"}]}
+# The LeaderWorkerSet's own fields (v1 API types: LeaderWorkerSetSpec, LeaderWorkerTemplate,
+# RolloutStrategy, NetworkConfig, SubGroupPolicy); pod templates are checked separately.
+LWS_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": LWS_API[0]},
+        "kind": {"const": LWS_API[1]},
+        "metadata": {"type": "object"},  # ObjectMeta: checked through a ConfigMap carrier below
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["leaderWorkerTemplate"],
+            "properties": {
+                "replicas": {"type": "integer", "minimum": 0},
+                "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+                "rolloutStrategy": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["type"],
+                    "properties": {
+                        "type": {"enum": ["RollingUpdate"]},
+                        "rollingUpdateConfiguration": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {"partition": {"type": "integer", "minimum": 0},
+                                           "maxUnavailable": _INT_OR_STRING, "maxSurge": _INT_OR_STRING},
+                        },
+                    },
+                },
+                "networkConfig": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"subdomainPolicy": {"enum": ["Shared", "UniquePerReplica"]}},
+                },
+                "leaderWorkerTemplate": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["workerTemplate"],
+                    "properties": {
+                        "leaderTemplate": {"type": "object"},
+                        "workerTemplate": {"type": "object"},
+                        "size": {"type": "integer", "minimum": 1},
+                        "restartPolicy": {"enum": ["Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart",
+                                                   "None"]},
+                        "subGroupPolicy": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {"subGroupPolicyType": {"enum": ["LeaderWorker", "LeaderExcluded"]},
+                                           "subGroupSize": {"type": "integer", "minimum": 1}},
+                        },
+                        "volumeClaimTemplates": {"type": "array"},
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def check_lws(doc: dict, versions: list[str]) -> list[str]:
+    import jsonschema
+
+    errors = [f"[LWS schema] {'.'.join(str(p) for p in e.path)}: {e.message}"
+              for e in jsonschema.Draft7Validator(LWS_SCHEMA).iter_errors(doc)]
+    if errors:
+        return errors
+    meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]}
+    carriers = [("metadata", meta)]
+    lwt = doc["spec"]["leaderWorkerTemplate"]
+    for key in ("leaderTemplate", "workerTemplate"):
+        if key in lwt:
+            carriers.append((key, {"apiVersion": "v1", "kind": "PodTemplate",
+                                   "metadata": {"name": f"{doc['metadata'].get('name', 'lws')}-{key.lower()}"},
+                                   "template": lwt[key]}))
+    for where, obj in carriers:
+        for v in versions:
+            errors += [f"[k8s {v}] {where}: {m}" for m in check_builtin(obj, v)]
+    return errors
+
+
 def check_crd(doc: dict, model: Any) -> list[str]:
     try:
         obj = model.model_validate(doc)
@@ -101,6 +189,8 @@ def check_builtin(doc: dict, version: str) -> list[str]:
 
 def validate_doc(doc: dict, versions: list[str], crds: dict) -> list[str]:
     key = (doc.get("apiVersion"), doc.get("kind"))
+    if key == LWS_API:
+        return check_lws(doc, versions)
     if key in crds:
         return [f"[CRD round trip] {m}" for m in check_crd(doc, crds[key])]
     errors = []
@@ -130,7 +220,21 @@ def canary(versions: list[str], crds: dict) -> list[str]:
         "metadata": {"name": "canary"},
         "spec": {"selector": {"matchLabels": {"a": "b"}}, "endpoints": [{"port": "m", "notAField": 1}]},
     }
+    bad_lws = {
+        "apiVersion": LWS_API[0], "kind": LWS_API[1], "metadata": {"name": "canary"},
+        "spec": {"leaderWorkerTemplate": {"size": 2, "workerTemplate": copy.deepcopy(bad_deploy["spec"]["template"])}},
+    }
+    good_lws = copy.deepcopy(bad_lws)
+    good_lws["spec"]["leaderWorkerTemplate"]["workerTemplate"] = copy.deepcopy(good_deploy["spec"]["template"])
+    odd_lws = copy.deepcopy(good_lws)
+    odd_lws["spec"]["leaderWorkerTemplate"]["groupSize"] = 2
     problems = []
+    if validate_doc(good_lws, versions, crds):
+        problems.append(f"canary: a valid LeaderWorkerSet was rejected: {validate_doc(good_lws, versions, crds)}")
+    if not validate_doc(bad_lws, versions, crds):
+        problems.append("canary: an unknown field in a LeaderWorkerSet pod template was NOT rejected")
+    if not validate_doc(odd_lws, versions, crds):
+        problems.append("canary: an unknown LeaderWorkerSet field was NOT rejected")
     for v in versions:
         if check_builtin(good_deploy, v):
             problems.append(f"canary: a valid Deployment was rejected for {v}: {check_builtin(good_deploy, v)}")

@@ -27,7 +27,8 @@ NAMESPACE = "specserve"
 KUBE_VERSION = "1.31.0"
 SERVICEMONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
 KEDA_API = "keda.sh/v1alpha1/ScaledObject"
-ALL_CRD_APIS = (SERVICEMONITOR_API, KEDA_API)
+LWS_API = "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet"
+ALL_CRD_APIS = (SERVICEMONITOR_API, KEDA_API, LWS_API)
 CI_FILES = ("cpu-values.yaml", "gpu-eagle3-values.yaml", "tp-values.yaml")
 
 

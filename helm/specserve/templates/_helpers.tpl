@@ -57,6 +57,38 @@ app.kubernetes.io/part-of: specserve
 {{- int .Values.parallelism.tensorParallelSize }}
 {{- end }}
 
+{{/*
+Multi-node tensor parallelism: a LeaderWorkerSet instead of the Deployment, only when it is
+asked for (parallelism.multiNode.enabled, GPU mode) AND the cluster serves its API.
+*/}}
+{{- define "specserve.multiNode" -}}
+{{- $caps := .Capabilities.APIVersions }}
+{{- if and .Values.parallelism.multiNode.enabled (gt (int .Values.parallelism.tensorParallelSize) 0) (or ($caps.Has "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet") ($caps.Has "leaderworkerset.x-k8s.io/v1")) }}true{{ end }}
+{{- end }}
+
+{{/* GPUs per pod of a LeaderWorkerSet group: tensorParallelSize / nodes. */}}
+{{- define "specserve.gpusPerNode" -}}
+{{- div (int .Values.parallelism.tensorParallelSize) (int .Values.parallelism.multiNode.nodes) }}
+{{- end }}
+
+{{/* Every pod of the release, leaders and tensor-parallel workers alike. */}}
+{{- define "specserve.groupSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "specserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* What the HPA / ScaledObject scale: the Deployment, or the LeaderWorkerSet (its groups). */}}
+{{- define "specserve.scaleTargetRef" -}}
+{{- if include "specserve.multiNode" . -}}
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+{{- else -}}
+apiVersion: apps/v1
+kind: Deployment
+{{- end }}
+name: {{ include "specserve.fullname" . }}
+{{- end }}
+
 {{- define "specserve.device" -}}
 {{- if gt (int .Values.parallelism.tensorParallelSize) 0 }}cuda{{ else }}cpu{{ end }}
 {{- end }}
@@ -92,6 +124,8 @@ engine.device={{ include "specserve.device" . }}
 server.grpc_port={{ int $v.server.grpcPort }}
 server.http_port={{ int $v.server.httpPort }}
 server.drain_timeout_s={{ int $v.server.drainTimeoutSeconds }}
+{{ if include "specserve.multiNode" . }}parallelism.master_port={{ int $v.parallelism.multiNode.masterPort }}
+{{ end -}}
 {{ range $v.config.extraOverrides }}{{ . }}
 {{ end }}
 {{- end }}
@@ -134,6 +168,15 @@ server.drain_timeout_s={{ int $v.server.drainTimeoutSeconds }}
 
 {{/* Cross-field checks the JSON schema cannot express. */}}
 {{- define "specserve.validate" -}}
+{{- $p := .Values.parallelism }}
+{{- if $p.multiNode.enabled }}
+{{- if eq (int $p.tensorParallelSize) 0 }}
+{{- fail "parallelism.multiNode.enabled needs GPUs: set parallelism.tensorParallelSize" }}
+{{- end }}
+{{- if mod (int $p.tensorParallelSize) (int $p.multiNode.nodes) }}
+{{- fail (printf "parallelism.tensorParallelSize (%d) must be a multiple of parallelism.multiNode.nodes (%d)" (int $p.tensorParallelSize) (int $p.multiNode.nodes)) }}
+{{- end }}
+{{- end }}
 {{- if lt (int .Values.autoscaling.maxReplicas) (int .Values.autoscaling.minReplicas) }}
 {{- fail "autoscaling.maxReplicas must be >= autoscaling.minReplicas" }}
 {{- end }}
