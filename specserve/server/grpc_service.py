@@ -8,6 +8,7 @@ handler, which closes the engine stream and thereby aborts the request.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -18,7 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specserve.errors import ConfigError, InvalidRequestError
-from specserve.request import FinishReason, RequestOutput
+from specserve.request import FinishReason, RequestOutput, StructuredOutputsParams
+from specserve.sampling.logits_processors import LOGPROB_FLOOR
 from specserve.server.auth import OPEN_GRPC_SERVICES, ApiKeyChecker
 from specserve.server.errors import (
     INTERNAL,
@@ -42,9 +44,50 @@ _FINISH = {
 }
 
 
+def _structured(sp: pb.SamplingParams) -> StructuredOutputsParams | None:
+    given = {k: v for k, v in (("json", sp.json_schema), ("regex", sp.regex), ("grammar", sp.grammar)) if v}
+    if sp.choice:
+        given["choice"] = list(sp.choice)
+    if sp.json_object:
+        given["json_object"] = True
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequestError("json_schema", f"at most one structured output may be set, got {sorted(given)}")
+    if "json" in given:
+        try:
+            given["json"] = json.loads(given["json"])
+        except ValueError as e:
+            raise InvalidRequestError("json_schema", f"is not valid JSON: {e}") from None
+    return StructuredOutputsParams(**given)
+
+
+def _logprob_msgs(tokenizer: Any, lps: list | None) -> list[pb.TokenLogprob]:
+    def text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False)
+
+    out = []
+    for e in lps or []:
+        if e is None:
+            continue
+        out.append(pb.TokenLogprob(
+            token_id=e.token_id, token=text(e.token_id), logprob=max(e.logprob, LOGPROB_FLOOR),
+            top_logprobs=[pb.TopLogprob(token_id=i, token=text(i), logprob=max(v, LOGPROB_FLOOR)) for i, v in e.top],
+        ))  # fmt: skip
+    return out
+
+
 def sampling_fields(sp: pb.SamplingParams) -> SamplingFields:
     """Proto -> SamplingFields; unset ``optional`` fields stay None and take the defaults."""
     return SamplingFields(
+        presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else None,
+        frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else None,
+        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else None,
+        logit_bias={b.token_id: b.bias for b in sp.logit_bias} or None,
+        min_tokens=sp.min_tokens,
+        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+        structured_outputs=_structured(sp),
         temperature=sp.temperature if sp.HasField("temperature") else None,
         top_p=sp.top_p if sp.HasField("top_p") else None,
         top_k=sp.top_k,
@@ -130,12 +173,18 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
         try:
             req = await self._prepare(request)
             last: RequestOutput | None = None
+            prompt_lps = None
             async with _deadline(context):
                 async with aclosing(self.fe.stream(req)) as outputs:
                     async for out in outputs:
                         last = out
+                        prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
             assert last is not None and last.finished, "the engine ended a stream without a final output"
-            return _response(req.request_id, last.text, list(last.token_ids), last)
+            msg = _response(req.request_id, last.text, list(last.token_ids), last)
+            tok = self.fe.engine.tokenizer
+            msg.logprobs.extend(_logprob_msgs(tok, last.logprobs))
+            msg.prompt_logprobs.extend(_logprob_msgs(tok, prompt_lps))
+            return msg
         except Exception as exc:  # mapped to a status by the errors table
             await self._fail(context, exc)
             raise  # unreachable: abort raises
@@ -147,7 +196,11 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
                 async with aclosing(self.fe.stream(req)) as outputs:
                     async for out in outputs:
                         if out.new_token_ids or out.new_text or out.finished:
-                            await context.write(_response(req.request_id, out.new_text, list(out.new_token_ids), out))
+                            msg = _response(req.request_id, out.new_text, list(out.new_token_ids), out)
+                            tok = self.fe.engine.tokenizer
+                            msg.logprobs.extend(_logprob_msgs(tok, out.new_logprobs))
+                            msg.prompt_logprobs.extend(_logprob_msgs(tok, out.prompt_logprobs))
+                            await context.write(msg)
         except Exception as exc:
             await self._fail(context, exc)
 

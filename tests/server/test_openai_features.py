@@ -240,3 +240,30 @@ def test_n4_uses_the_prompt_blocks_once_and_prefix_metrics(spec):
     assert queries == 4 * n_prompt and hits >= 3 * ((n_prompt - 1) // bs * bs)
     print(f"n=4 KV blocks at peak: {peak[0]} (prompt {prompt_blocks} blocks; 4 separate copies need "
           f">= {4 * prompt_blocks}); prefix cache hits {hits:.0f}/{queries:.0f} tokens")
+
+
+def test_grpc_logprobs_and_json_schema(spec, plain):
+    import grpc
+
+    from specserve.v1 import specserve_pb2 as pb
+    from specserve.v1 import specserve_pb2_grpc as pb_grpc
+
+    def call(s):
+        with grpc.insecure_channel(f"127.0.0.1:{s.handle.grpc_port}") as ch:
+            stub = pb_grpc.SpecServeStub(ch)
+            sp = pb.SamplingParams(temperature=0, max_tokens=40, logprobs=2, json_schema=json.dumps(SCHEMA),
+                                   presence_penalty=0.2, logit_bias=[pb.LogitBias(token_id=7, bias=1.5)])
+            r = stub.Generate(pb.GenerateRequest(prompt=PROMPTS[1], sampling_params=sp, model=MODEL), timeout=60)
+            chunks = list(stub.GenerateStream(pb.GenerateRequest(prompt=PROMPTS[1], sampling_params=sp, model=MODEL),
+                                              timeout=60))  # fmt: skip
+            return r, chunks
+
+    (ra, ca), (rb, cb) = call(spec), call(plain)
+    assert wait_for(spec.idle, 5) and wait_for(plain.idle, 5)
+    assert ra.text == rb.text and list(ra.token_ids) == list(rb.token_ids)
+    jsonschema.validate(json.loads(ra.text), SCHEMA)
+    assert len(ra.logprobs) == len(ra.token_ids) and all(len(e.top_logprobs) == 2 for e in ra.logprobs)
+    assert all(abs(x.logprob - y.logprob) < 1e-5 for x, y in zip(ra.logprobs, rb.logprobs))
+    streamed = [e.logprob for c in ca for e in c.logprobs]
+    assert len(streamed) == len(ra.logprobs)  # the second call reuses cached prompt blocks: fp32-close
+    assert all(abs(x - e.logprob) < 1e-5 for x, e in zip(streamed, ra.logprobs))
