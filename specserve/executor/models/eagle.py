@@ -136,6 +136,7 @@ class EagleHead(nn.Module):
 
     def embed(self, ids: Tensor) -> Tensor:
         e = self.embed_tokens(ids) if self.embed_tokens is not None else self._target.embed_tokens(ids)
+        e = e.to(self.fc.weight.dtype)  # (a float32 head trained on a bf16 target)
         return self.enorm(e) if self.enorm is not None else e
 
     def project(self, features: Tensor) -> Tensor:

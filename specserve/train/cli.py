@@ -1,0 +1,88 @@
+"""``specserve-train [--config-name train/<preset>] [override ...]``: train an EAGLE-3 head.
+
+The default preset is ``train/smollm2-135m-eagle3`` (the head shipped for the
+embedded model).  Overrides are Hydra overrides of ``specserve.train.config``
+(``model.path=... data.num_conversations=... optim.epochs=... output_dir=...``).
+Bad keys or values print one line and exit 2, like ``specserve``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from specserve.errors import SpecServeError
+
+DEFAULT_PRESET = "train/smollm2-135m-eagle3"
+
+
+def compose_train_config(argv: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from specserve.cli import UsageError, _first_line_of, _parse_argv, conf_dir
+    from specserve.train.config import TrainConfig, register_train_configs, validate_train_config
+
+    extra_dir, name, show, help_, overrides = _parse_argv(argv)
+    if help_:
+        print(__doc__)
+        return None
+    if name == "config":  # _parse_argv's default is the server's config
+        name = DEFAULT_PRESET
+    dirs = [conf_dir()]
+    if extra_dir is not None:
+        d = Path(extra_dir).resolve()
+        if not d.is_dir():
+            raise UsageError(f"--config-dir: {extra_dir} is not a directory")
+        overrides = [f"hydra.searchpath=[file://{d}]"] + overrides
+        dirs.append(d)
+    register_train_configs(ConfigStore.instance())
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(dirs[0]), version_base="1.3"):
+            cfg = compose(config_name=name, overrides=overrides)
+        if show:
+            print(OmegaConf.to_yaml(cfg, resolve=True))
+            return None
+        obj = OmegaConf.to_object(cfg)
+    except SpecServeError:
+        raise
+    except Exception as e:  # Hydra/OmegaConf raise many types for a bad override
+        raise UsageError(_first_line_of(e, dirs)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    if not isinstance(obj, TrainConfig):
+        raise UsageError(f"--config-name {name}: not a training preset (conf/train/*.yaml)")
+    return validate_train_config(obj)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specserve.cli import UsageError, _cap_onednn_isa
+
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = compose_train_config(argv)
+        if cfg is None:
+            return 0
+        _cap_onednn_isa(cfg)
+        from specserve.train.trainer import train
+
+        report = train(cfg)
+    except (UsageError, SpecServeError) as e:
+        print(f"specserve-train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
