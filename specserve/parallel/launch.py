@@ -24,7 +24,6 @@ import atexit
 import datetime
 import logging
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -116,13 +115,21 @@ def default_threads(local_world_size: int) -> int:
     return max(1, cores // local_world_size)
 
 
-def _set_parent_death_signal() -> None:  # runs in the child before exec (Linux): die with rank 0
-    try:
-        import ctypes
+def die_with_parent(parent_pid: int, poll_s: float = 0.2) -> None:
+    """A started worker exits as soon as the process that started it is gone (even killed
+    with SIGKILL, and even while the worker is busy loading, when no collective would notice):
+    a daemon thread watches for the worker being re-parented.  (Not PR_SET_PDEATHSIG: that
+    fires when the parent THREAD exits, and rank 0 may start its workers from any thread.)"""
+    import threading
+    import time
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        log.error("the process that started this worker (pid %d) is gone; exiting", parent_pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="specserve-tp-parent-watch", daemon=True).start()
 
 
 class TensorParallelGroup:
@@ -143,6 +150,7 @@ class TensorParallelGroup:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.procs: dict[int, subprocess.Popen] = {}
         self.reaped: dict[int, int] = {}  # rank -> exit code of workers that have exited
+        self.master_port = t.master_port
         log.info("tensor parallel rank %d of %d (%s, %s via %s, %d CPU threads)", t.rank, t.world_size, self.device,
                  backend, t.launcher, self.threads)
         kw: dict[str, Any] = {"device_id": self.device} if self.device.type == "cuda" else {}
@@ -179,10 +187,9 @@ class TensorParallelGroup:
             ENV_PREFIX + "LOCAL_WORLD_SIZE": str(t.local_world_size),
             ENV_PREFIX + "MASTER_ADDR": t.master_addr, ENV_PREFIX + "MASTER_PORT": str(self.master_port),
             ENV_PREFIX + "DEVICE": self.device.type, ENV_PREFIX + "THREADS": str(self.threads),
-            ENV_PREFIX + "TIMEOUT_S": str(p.timeout_s),
+            ENV_PREFIX + "TIMEOUT_S": str(p.timeout_s), ENV_PREFIX + "PARENT_PID": str(os.getpid()),
         })  # fmt: skip
-        proc = subprocess.Popen([sys.executable, "-m", "specserve.parallel.worker"], env=env,
-                                preexec_fn=_set_parent_death_signal, stdin=subprocess.DEVNULL)  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", "specserve.parallel.worker"], env=env, stdin=subprocess.DEVNULL)
         log.info("started tensor-parallel worker rank %d (pid %d)", rank, proc.pid)
         return proc
 
@@ -213,7 +220,6 @@ class TensorParallelGroup:
         log.info("%s sharded over %d ranks: rank 0 holds %d of %d attention heads, %d KV heads", key, self.size,
                  loaded.tp.plan.num_heads, a.num_heads if a else -1, loaded.tp.plan.num_kv_heads)
         return loaded
-
 
     def shutdown(self, failed: bool = False, wait_s: float = 15.0) -> int:
         """Stop every rank this process is responsible for; returns 0 when all exited

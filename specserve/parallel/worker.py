@@ -113,8 +113,9 @@ def run_worker(cfg: Config) -> int:
 
 def main() -> None:
     """Entry of a worker process started by rank 0 (``SPECSERVE_TP_*`` in the environment)."""
-    from specserve.parallel.launch import ENV_PREFIX, TensorParallelGroup
+    from specserve.parallel.launch import ENV_PREFIX, TensorParallelGroup, die_with_parent
 
+    die_with_parent(int(os.environ[ENV_PREFIX + "PARENT_PID"]))
     _ignore_stop_signals()
     rank = os.environ.get(ENV_PREFIX + "RANK", "?")
     logging.basicConfig(
