@@ -138,3 +138,17 @@ def test_tp_presets_compose():
         assert cfg.parallelism.tensor_parallel_size == n
         assert draft_tensor_parallel_size(cfg.method, n) == n  # a draft model is sharded like the target by default
         assert draft_tensor_parallel_size(compose_config([f"parallelism=tp{n}", "+method=ngram"]).method, n) == 1
+
+
+def test_the_cli_refuses_an_unsplittable_model_in_one_line(tiny_llama, capsys):
+    """`specserve parallelism.tensor_parallel_size=3` on 4 heads / 2 KV heads: exit 2, one
+    line, before any worker process is started."""
+    from specserve.cli import serve_main
+    from specserve.parallel.launch import current_group
+
+    rc = serve_main([f"model.path={tiny_llama}", "parallelism.tensor_parallel_size=3", "server.grpc_port=0",
+                     "server.http_port=0"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("specserve: error: parallelism.tensor_parallel_size: 3 does not fit model's "
+                                          "4 attention heads / 2 KV heads")  # fmt: skip
+    assert current_group() is None
