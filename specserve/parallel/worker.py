@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,7 +67,7 @@ def serve_worker(group: Any) -> int:
                 runners[model_id].execute(batch, aux)
             elif op == "load":
                 model_id, how = payload
-                path = how["hf_dir"] if os.path.isfile(os.path.join(how["hf_dir"], "config.json")) else how["path"]
+                path = _local_model_dir(how)
                 spec = ShardSpec(rank, group.size, group.data_group, model_id, None, what=how["key"])
                 models[model_id] = load_model(path, how["dtype"], group.device, how["max_model_len"], how["cache_dir"],
                                               key=how["key"], cpu_kernel="torch", tp=spec)  # fmt: skip
@@ -94,6 +95,23 @@ def serve_worker(group: Any) -> int:
         except Exception:
             log.exception("rank %d: %s failed", rank, op)
             return 1
+
+
+def _local_model_dir(how: dict) -> str:
+    """The HF directory rank 0 resolved, when this node sees it (one machine, a shared
+    volume); else resolve the path here (another node converts its own GGUF copy), one
+    local rank at a time: the conversion writes into the shared cache dir."""
+    if os.path.isfile(os.path.join(how["hf_dir"], "config.json")):
+        return how["hf_dir"]
+    import fcntl
+
+    from specserve.executor.loader import default_cache_dir, resolve_hf_dir
+
+    cache = Path(how["cache_dir"]) if how["cache_dir"] else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".tp-resolve.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return str(resolve_hf_dir(how["path"], how["cache_dir"]))
 
 
 def _ignore_stop_signals() -> None:
