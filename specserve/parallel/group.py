@@ -5,9 +5,9 @@ Two groups span the same ranks:
 - the data group (the default group: NCCL on CUDA, gloo on the CPU) carries
   the forward's all-reduces and the logits gather;
 - the control group (always gloo, CPU tensors) carries rank 0's messages:
-  ``load``, ``runner``, ``step`` (a pickled ``StepBatch``), ``embed``/``logits``
-  (a rank-0 proposer using the target's vocabulary-parallel layers), ``ping``
-  and ``shutdown``.  Workers handle them in order (``parallel.worker``).
+  ``load``, ``runner``/``free``, ``step`` (a pickled ``StepBatch``), ``embed``/
+  ``logits`` (a rank-0 proposer using the target's vocabulary-parallel layers),
+  ``ping`` and ``shutdown``.  Workers handle them in order (``parallel.worker``).
 
 Failure detection, so that nothing hangs: a rank that dies closes its
 sockets, and gloo fails the next collective on every other rank at once
@@ -83,6 +83,8 @@ class ControlLink:
         self._last_send = time.monotonic()
         self._closed = threading.Event()
         self._listeners: list[Callable[[str], None]] = []
+        self._runner_ids = 0
+        self._released: list[int] = []  # runners dropped on rank 0, to free on the workers
         self._thread = threading.Thread(target=self._heartbeat, name="specserve-tp-heartbeat", daemon=True)
         self._thread.start()
 
@@ -91,11 +93,23 @@ class ControlLink:
         if self.failure is not None:
             callback(self.failure)
 
+    def new_runner_id(self) -> int:
+        self._runner_ids += 1
+        return self._runner_ids
+
+    def release_runner(self, runner_id: int) -> None:
+        """A runner was garbage-collected on rank 0 (any thread, maybe mid-send): its worker
+        twins are freed with the next message."""
+        self._released.append(runner_id)
+
     def send(self, msg: tuple) -> None:
         with self._lock:
             if self.failure is not None:
                 raise RankFailure(self.failure)
             try:
+                if self._released:
+                    freed, self._released = self._released, []
+                    send_message(("free", *freed), self.group)
                 send_message(msg, self.group)
             except Exception as e:
                 self._fail(f"a tensor-parallel rank stopped answering: {e}".splitlines()[0])

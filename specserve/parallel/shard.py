@@ -9,11 +9,13 @@ one ``ModelRunner.execute`` is the forward everywhere.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from specserve.parallel.plan import ShardPlan
+from specserve.errors import ConfigError
+from specserve.parallel.plan import TP_KEY, ShardPlan
 
 if TYPE_CHECKING:
     from specserve.executor.batch import StepBatch
@@ -32,6 +34,9 @@ class Shard:
         # True while every rank runs the same forward.  A worker is always inside
         # rank 0's step; rank 0 is inside one only between run_step's broadcast and return.
         self.in_step = link is None
+        # Rank 0: the id each of this model's runners has on the workers (a model may have
+        # several: a profiling runner, a proposer's own); freed there when dropped here.
+        self._runner_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def rank(self) -> int:
@@ -44,9 +49,18 @@ class Shard:
     def attach(self, runner: "ModelRunner") -> None:
         """Rank 0 built a runner (and KV cache) for this model: workers build theirs with
         the same block count, so block tables and slots mean the same on every rank."""
+        if getattr(runner.model, "shard", None) is not self:  # e.g. a view running some of its layers
+            raise ConfigError(
+                TP_KEY,
+                f"a {type(runner.model).__name__} over the sharded model would run its layers on rank 0 alone: "
+                "this method does not support tensor parallelism yet; use parallelism.tensor_parallel_size=1",
+            )
         if self.link is not None:
             kv = runner.kv
-            self.link.send(("runner", self.model_id, kv.num_blocks, kv.block_size, runner.min_causal_len))
+            rid = self.link.new_runner_id()
+            self._runner_ids[runner] = rid
+            weakref.finalize(runner, self.link.release_runner, rid)
+            self.link.send(("runner", self.model_id, rid, kv.num_blocks, kv.block_size, runner.min_causal_len))
 
     def run_step(
         self, runner: "ModelRunner", batch: "StepBatch", aux_layer_ids: tuple[int, ...], device_token_ids: Tensor | None
@@ -55,7 +69,7 @@ class Shard:
         assert self.link is not None
         if device_token_ids is not None:  # a drafter's own samples: the workers need them as ids
             batch.token_ids = device_token_ids.tolist()
-        self.link.send(("step", self.model_id, batch, tuple(aux_layer_ids)))
+        self.link.send(("step", self._runner_ids[runner], batch, tuple(aux_layer_ids)))
         self.in_step = True
         try:
             return runner.execute(batch, aux_layer_ids)

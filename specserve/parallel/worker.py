@@ -4,8 +4,9 @@ It holds no scheduler, tokenizer state or server: it follows rank 0's control
 messages in order (``parallel.group``) and answers with collectives only.
 
     load    model_id, how to load it   -> load this rank's shard (same slices rule)
-    runner  model_id, blocks, ...      -> its KV cache (same block count as rank 0)
-    step    model_id, StepBatch, aux   -> ModelRunner.execute on the shard
+    runner  model_id, runner_id, ...   -> a runner and its KV cache (same block count as rank 0)
+    step    runner_id, StepBatch, aux  -> ModelRunner.execute on the shard
+    free    runner_id, ...             -> drop runners rank 0 has dropped
     embed   model_id, ids              -> the vocabulary-parallel embedding (an EAGLE head on rank 0)
     logits  model_id, hidden           -> the vocabulary-parallel LM head (same)
     ping                               -> nothing (rank 0 is alive)
@@ -63,8 +64,11 @@ def serve_worker(group: Any) -> int:
                 log.info("rank %d: shutdown", rank)
                 return 0
             if op == "step":
-                model_id, batch, aux = payload
-                runners[model_id].execute(batch, aux)
+                runner_id, batch, aux = payload
+                runners[runner_id].execute(batch, aux)
+            elif op == "free":
+                for runner_id in payload:
+                    runners.pop(runner_id, None)
             elif op == "load":
                 model_id, how = payload
                 path = _local_model_dir(how)
@@ -72,11 +76,11 @@ def serve_worker(group: Any) -> int:
                 models[model_id] = load_model(path, how["dtype"], group.device, how["max_model_len"], how["cache_dir"],
                                               key=how["key"], cpu_kernel="torch", tp=spec)  # fmt: skip
             elif op == "runner":
-                model_id, num_blocks, block_size, min_causal_len = payload
+                model_id, runner_id, num_blocks, block_size, min_causal_len = payload
                 m = models[model_id]
                 a = m.arch
                 kv = KVCache(a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, m.dtype, m.device)
-                runners[model_id] = ModelRunner(m, kv, min_causal_len=min_causal_len, cpu_kernel="torch")
+                runners[runner_id] = ModelRunner(m, kv, min_causal_len=min_causal_len, cpu_kernel="torch")
             elif op == "embed":
                 model_id, ids = payload
                 with torch.inference_mode():

@@ -152,3 +152,20 @@ def test_the_cli_refuses_an_unsplittable_model_in_one_line(tiny_llama, capsys):
     assert rc == 2 and err[-1].startswith("specserve: error: parallelism.tensor_parallel_size: 3 does not fit model's "
                                           "4 attention heads / 2 KV heads")  # fmt: skip
     assert current_group() is None
+
+
+def test_a_runner_over_a_view_of_the_sharded_model_is_refused():
+    """A proposer that wraps the target (layer skipping) would run its layers on rank 0 alone
+    and the workers would never join: refused in one line instead of hanging."""
+    from types import SimpleNamespace
+
+    from specserve.parallel.shard import Shard
+
+    plan = plan_shard(4, 2, 128, 512, 0, 2)
+    shard = Shard(plan, group=None, model_id=1)
+    own = SimpleNamespace(model=SimpleNamespace(shard=shard), kv=None, min_causal_len=2)
+    shard.attach(own)  # the model's own runner: fine (a worker: nothing to send)
+    with pytest.raises(ConfigError) as e:
+        shard.attach(SimpleNamespace(model=torch.nn.Identity(), kv=None, min_causal_len=2))
+    assert str(e.value).startswith("parallelism.tensor_parallel_size: a Identity over the sharded model would run "
+                                   "its layers on rank 0 alone")  # fmt: skip
