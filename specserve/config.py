@@ -26,11 +26,12 @@ METHODS = (
     "mtp",
     "mlp_speculator",
     "dflash",
+    "layer_skip",
 )
 # Methods whose proposer exists in this build; the others are valid names that
 # a later release implements, and selecting them fails early with a clear line.
-IMPLEMENTED_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3")
-METHODS_WITHOUT_MODEL = ("ngram", "suffix", "mtp")
+IMPLEMENTED_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3", "layer_skip")
+METHODS_WITHOUT_MODEL = ("ngram", "suffix", "mtp", "layer_skip")
 REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -72,6 +73,12 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # layer_skip (self-speculation): target layer ids the draft skips, or null = choose
+    # round(skip_ratio * layers) by calibrating on about skip_calibration_tokens prompt
+    # tokens of the first requests (specserve/proposers/layer_skip.py).
+    skip_layers: Optional[list[int]] = None
+    skip_ratio: float = 0.5
+    skip_calibration_tokens: int = 128
 
 
 @dataclass
@@ -110,9 +117,9 @@ class EngineConfig:
     # off while it costs more than it saves); "auto" = adaptive on CUDA, fixed on the CPU.
     speculation: str = "auto"
     # Predicted Outputs (a request's `prediction`): at most this many drafts per step
-    # come from the prediction.  The engine verifies up to max(method K, this) drafts
-    # per step, so predictions work with no method configured; 0 = ignore predictions.
-    num_prediction_tokens: int = 8
+    # come from the prediction; with a method, at most its K.  Without a method this is
+    # the engine's K (verification room), so predictions need no method; 0 = ignore them.
+    num_prediction_tokens: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     seed: int = 0
@@ -293,6 +300,10 @@ def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[Mod
         raise ConfigError(f"{p}.suffix_decoding_max_spec_factor", "must be > 0")
     if not 0.0 <= s.suffix_decoding_min_token_prob <= 1.0:
         raise ConfigError(f"{p}.suffix_decoding_min_token_prob", "must be in [0, 1]")
+    r = s.skip_ratio
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r < 1.0:
+        raise ConfigError(f"{p}.skip_ratio", f"must be in (0, 1) (1 would skip every layer), got {r!r}")
+    _int(f"{p}.skip_calibration_tokens", s.skip_calibration_tokens, 16)
     if s.method not in METHODS_WITHOUT_MODEL and not s.model and draft is None:
         raise ConfigError(
             f"{p}.model",

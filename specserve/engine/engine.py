@@ -138,9 +138,10 @@ class LLMEngine:
         self.max_model_len = target.max_model_len
         spec = cfg.method
         self.method_k = spec.num_speculative_tokens if spec is not None else 0
-        # Predicted Outputs draft up to engine.num_prediction_tokens per step, with or without a method.
-        self.predictions = PredictedOutputs(e.num_prediction_tokens) if e.num_prediction_tokens > 0 else None
-        self.k = max(self.method_k, e.num_prediction_tokens)
+        # Predicted Outputs draft up to the method's K, or engine.num_prediction_tokens without a method.
+        self.k = self.method_k if spec is not None else e.num_prediction_tokens
+        npt = min(e.num_prediction_tokens, self.k)
+        self.predictions = PredictedOutputs(npt) if npt > 0 else None
         sizes = draft_sizes(self.k)
         cuda = target.device.type == "cuda"
         single = getattr(target, "tp", None) is None  # TP runs eager torch (no static runner or graphs)

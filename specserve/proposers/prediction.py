@@ -25,6 +25,12 @@ the tokens just committed are compared with P at the cursor:
   inserted span usually resumes P right there).  Until a match is found the
   request drafts nothing from P.
 
+Draft length follows the evidence: ``min(k, run)`` where ``run`` is how many
+tokens the context has followed P without a break (the match length after a
+re-synchronisation, growing as the output keeps following P; the client's
+prediction is trusted in full at the start).  A weak re-synchronisation (one
+common token) thus risks one draft token, not k, while a long run drafts k.
+
 P is indexed once per request (token -> positions); a lookup extends each
 candidate position backwards against the context, so it costs
 O(occurrences of the last token x max_match), and only while unaligned.
@@ -63,6 +69,7 @@ class PredictionIndex:
         for i, t in enumerate(self.tokens):
             self.positions.setdefault(t, []).append(i)
         self.cursor = 0  # index in tokens of the next expected output token
+        self.run = len(self.tokens)  # tokens followed without a break (at the start: trust the prediction)
         # Context length up to which the cursor is known to be aligned; None = lost.
         self.synced: int | None = context_len
 
@@ -85,6 +92,7 @@ class PredictionIndex:
                 self.cursor = c + m
                 if m == len(new):
                     self.synced = n
+                    self.run += m
                     return
                 self.synced = None  # departed from P; the cursor stays a locality hint
         self._resync(context)
@@ -110,11 +118,12 @@ class PredictionIndex:
         if best is not None:
             self.cursor = best_end + 1
             self.synced = len(context)
+            self.run = best[0]
 
     def draft(self, k: int) -> list[int]:
         if self.synced is None or k <= 0:
             return []
-        return self.tokens[self.cursor : self.cursor + k]
+        return self.tokens[self.cursor : self.cursor + min(k, max(1, self.run))]
 
 
 class PredictedOutputs:

@@ -450,6 +450,11 @@ class DeviceSampler:
     ) -> StepInputs:
         """Fill the persistent buffers for B requests (one host->device copy); returns views (B', ...).
 
+        When no request has drafts, the views are those of a K = 0 step (row_index (B', 1),
+        draft_ids (B', 0), offsets advanced by K): the packed result is (B', 2) and its
+        tokens are the ones the full (B', K+2) step would emit; offsets still advance by
+        ``uniforms_per_step`` (2K + 1) after it.
+
         Args:
             rows: per request, the logits row of its first verified position (row_index[b, j]
                 = rows[b] + min(j, len(drafts[b]))).
@@ -492,7 +497,10 @@ class DeviceSampler:
         h["top_p"][:B] = top_ps
         h["min_p"][:B] = min_ps
         h["seed"][:B] = seeds64
-        h["offset"][:B] = offs
+        # A step without any draft verifies position 0 only (1/(K+1) of the work for sampled
+        # rows): the same token, as it reads the same number, u(offset + K), of each stream.
+        plain = self.K > 0 and not any(lens)
+        h["offset"][:B] = [o + self.K for o in offs] if plain else offs
         h["num_drafts"][:B] = lens
         j = np.arange(self.K + 1)[None, :]  # (1, K+1)
         h["row_index"][:B] = np.asarray(rows, dtype=np.int64)[:, None] + np.minimum(j, np.asarray(lens)[:, None])
@@ -509,6 +517,8 @@ class DeviceSampler:
             self._h2d_done.record()
             self._h2d_pending = True
         d = {name: t[:Bp] for name, t in self._dev.items()}
+        if plain:
+            d["row_index"], d["draft_ids"] = d["row_index"][:, :1], d["draft_ids"][:, :0]
         return StepInputs(
             row_index=d["row_index"], draft_ids=d["draft_ids"], num_drafts=d["num_drafts"],
             requests=RequestTensors(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"],

@@ -1,0 +1,252 @@
+"""Layer-skip self-speculation (``+method=layer_skip``): the target drafts with some of
+its decoder layers skipped and verifies with all of them; no extra weights.
+
+The draft is the target's own model run through :class:`SkipModel` (embedding, the
+kept layers, final norm, LM head: the same tensors, nothing copied).  It drafts like
+a separate draft model (:class:`specserve.proposers.draft_model.DraftModelProposer`
+does the K-step loop, catch-up and rollback) with its OWN paged KV cache holding
+the kept layers only, so the draft pass never writes the target's cache: the
+skipped layers change every later layer's input, and K/V computed that way must
+not be mistaken for the target's.  The draft cache mirrors the target's block
+count: it costs (kept / all layers) of the target's KV memory.
+
+Which layers: ``method.skip_layers`` (explicit ids), or chosen once by a short
+calibration on the prompts of the first requests (about
+``method.skip_calibration_tokens`` tokens, from at least one request; those
+requests are decoded without drafts until it is done):
+
+1. one forward of the full model over the calibration tokens (teacher forced, in
+   a scratch KV cache) gives the reference next-token argmax at every position;
+2. greedily, ``round(skip_ratio * num_layers)`` times: the layers not yet skipped
+   are ranked by how little they change the residual stream under the current
+   choice (block influence, 1 - cos(layer input, layer output), measured in the
+   same forward), the ``CANDIDATES`` least influential are each tried, and the
+   one whose removal keeps the draft's top-1 agreement with the full model
+   highest is skipped;
+3. the choice, its agreement and the time taken are logged at INFO.
+
+The draft path is torch (``engine.cpu_kernel`` is ignored for it: the fused CPU
+decoder always runs the whole stack); on CUDA the draft steps replay CUDA graphs
+like draft_model's.  Drafts are greedy (one-hot q), so strict and probabilistic
+verification stay exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import SpeculativeConfig
+from specserve.errors import ConfigError
+from specserve.executor.batch import SeqInput, StepBatch
+from specserve.executor.kv_cache import KVCache
+from specserve.executor.loader import LoadedModel
+from specserve.executor.runner import ModelRunner
+from specserve.kv_blocks import BlockManager
+from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.proposers.draft_model import DraftModelProposer
+
+log = logging.getLogger(__name__)
+
+CANDIDATES = 3  # layers tried per calibration round (the least influential ones)
+
+
+class _KVView:
+    """A KV cache addressed by the target's layer ids, stored compactly."""
+
+    def __init__(self, kv: Any, slot: dict[int, int]):
+        self.kv = kv
+        self.slot = slot
+
+    def layer(self, i: int):
+        return self.kv.layer(self.slot[i])
+
+
+class SkipModel(nn.Module):
+    """The target's LlamaModel with some decoder layers skipped (shares every tensor).
+
+    ``compact``: the KV cache it is given holds the kept layers only (in order);
+    otherwise it holds all layers and is addressed by the target's ids."""
+
+    def __init__(self, base: nn.Module, skip: set[int] | frozenset[int] = frozenset(), compact: bool = True):
+        super().__init__()
+        object.__setattr__(self, "base", base)  # not a submodule: the target owns (and moves) it
+        self.compact = compact
+        self.a = base.a
+        self.set_skip(skip)
+
+    def set_skip(self, skip: set[int] | frozenset[int]) -> None:
+        n = len(self.base.layers)
+        self.skip = frozenset(skip)
+        self.kept = [i for i in range(n) if i not in self.skip]
+        self.slot = {i: j for j, i in enumerate(self.kept)} if self.compact else {i: i for i in range(n)}
+
+    def forward(self, input_ids, positions, meta, kv, aux_layer_ids=(), influence: list | None = None):
+        b = self.base
+        x = b.embed_tokens(input_ids)
+        cos, sin = b.rotary.tables(positions, x.dtype)
+        view = _KVView(kv, self.slot)
+        for i in self.kept:
+            y = b.layers[i](x, cos, sin, meta, view)
+            if influence is not None:  # block influence: 1 - cos(input, output), mean over tokens
+                influence.append((i, float((1 - F.cosine_similarity(x.float(), y.float(), dim=-1)).mean())))
+            x = y
+        return b.norm(x), {}
+
+    def compute_logits(self, hidden):
+        return self.base.compute_logits(hidden)
+
+    def prepack(self) -> None:
+        pass  # the target's runner owns the weights' layout
+
+
+def skip_loaded(target: LoadedModel, model: SkipModel) -> LoadedModel:
+    """A LoadedModel view of the target that runs ``model`` (kept layers only)."""
+    arch = dataclasses.replace(target.arch, num_layers=len(model.kept))
+    return dataclasses.replace(target, model=model, arch=arch)
+
+
+@torch.inference_mode()
+def calibrate(target: LoadedModel, sequences: list[list[int]], num_skip: int,
+              candidates: int = CANDIDATES) -> tuple[list[int], float]:
+    """Greedy layer choice (module docstring): returns (skipped layer ids, sorted; the
+    draft's top-1 agreement with the full model over the sequences' positions)."""
+    a = target.arch
+    block = 16
+    tables, start = [], 0
+    for s in sequences:
+        n = -(-len(s) // block)
+        tables.append(list(range(start, start + n)))
+        start += n
+    kv = KVCache(a.num_layers, start, block, a.num_kv_heads, a.head_dim, target.dtype, target.device)  # scratch
+    model = SkipModel(target.model, compact=False)
+    runner = ModelRunner(skip_loaded(target, model), kv, cpu_kernel="torch")
+    batch = StepBatch.from_inputs([SeqInput(list(s), 0, t, list(range(len(s) - 1))) for s, t in zip(sequences, tables)],
+                                  block)
+    meta, ids, pos = runner._metadata(batch)
+    rows = torch.tensor(batch.logits_rows, device=target.device)
+
+    def forward(skip: set[int]) -> tuple[torch.Tensor, list[tuple[int, float]]]:
+        """Teacher-forced argmax at every position and each kept layer's influence."""
+        model.set_skip(skip)
+        influence: list[tuple[int, float]] = []
+        hidden, _ = model(ids, pos, meta, kv, influence=influence)
+        return model.compute_logits(hidden[rows]).argmax(dim=-1), influence
+
+    ref, influence = forward(set())
+    skip: set[int] = set()
+    agreement = 1.0
+    for _ in range(num_skip):
+        tried = [i for i, _ in sorted(influence, key=lambda x: x[1])][:candidates]
+        best: tuple[float, int, list] | None = None
+        for c in tried:
+            pred, infl = forward(skip | {c})
+            agree = float((pred == ref).float().mean())
+            if best is None or agree > best[0]:
+                best = (agree, c, infl)
+        assert best is not None
+        agreement, chosen, influence = best
+        skip.add(chosen)
+    return sorted(skip), agreement
+
+
+class LayerSkipProposer:
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext):
+        self.target: LoadedModel = ctx.target
+        self.k = spec.num_speculative_tokens
+        self.ctx = ctx
+        L = self.target.arch.num_layers
+        self.num_skip = round(spec.skip_ratio * L)
+        self.calibration_tokens = spec.skip_calibration_tokens
+        self._pending: dict[str, list[int]] = {}  # calibration prompts collected so far
+        self.skip_layers: list[int] | None = None
+        self.agreement: float | None = None
+        self.inner: DraftModelProposer | None = None
+        if spec.skip_layers is not None:
+            check_skip_layers(spec.skip_layers, L)
+            self._build(sorted(set(spec.skip_layers)))
+        elif self.num_skip >= L:
+            raise ConfigError("method.skip_ratio", f"{spec.skip_ratio} skips all {L} layers of the target; "
+                                                   "keep at least one (a ratio < 1)")
+        elif self.num_skip < 1:
+            raise ConfigError("method.skip_ratio", f"{spec.skip_ratio} of {L} layers skips none; raise it")
+
+    def _build(self, skip: list[int]) -> None:
+        self.skip_layers = skip
+        model = SkipModel(self.target.model, set(skip))
+        e = self.ctx.engine
+        self.inner = DraftModelProposer(
+            skip_loaded(self.target, model), self.k, self.ctx.num_kv_blocks, e.block_size, cpu_kernel="torch",
+            max_num_seqs=e.max_num_seqs, cuda_graphs=e.cuda_graphs != "off", max_step_tokens=e.max_num_batched_tokens,
+        )
+
+    def _calibrate_if_ready(self, requests: list[DraftRequest]) -> None:
+        for r in requests:
+            rid = r.seq.request_id
+            if rid not in self._pending and len(self._pending) < 64:
+                self._pending[rid] = list(r.seq.token_ids[: r.seq.num_prompt_tokens])
+        if sum(len(t) for t in self._pending.values()) < self.calibration_tokens and len(self._pending) < 8:
+            return
+        budget, seqs = self.calibration_tokens, []
+        for toks in self._pending.values():  # the first requests' prompts, up to the budget
+            if budget <= 1:
+                break
+            part = toks[: max(budget, 2)]
+            if len(part) >= 2:
+                seqs.append(part)
+                budget -= len(part)
+        t0 = time.perf_counter()
+        skip, agreement = calibrate(self.target, seqs, self.num_skip)
+        self.agreement = agreement
+        log.info(
+            "layer_skip: calibrated on %d tokens of %d requests in %.1f s: skipping %d of %d layers %s; the "
+            "draft's top-1 agreement with the full model on them: %.1f%%", sum(len(s) for s in seqs), len(seqs),
+            time.perf_counter() - t0, len(skip), self.target.arch.num_layers, skip, 100 * agreement,
+        )
+        self._pending.clear()
+        self._build(skip)
+
+    def propose(self, requests: list[DraftRequest], step: Any = None) -> Proposal:
+        if self.inner is None:
+            self._calibrate_if_ready(requests)
+            if self.inner is None:
+                return Proposal(token_ids=[[] for _ in requests])
+        return self.inner.propose(requests, step)
+
+    def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
+        if self.inner is not None:
+            self.inner.on_verified(seq, num_tokens_before, num_drafts, num_accepted)
+
+    def remove(self, request_id: str) -> None:
+        if self.inner is not None:
+            self.inner.remove(request_id)
+
+    @property
+    def blocks(self) -> BlockManager | None:
+        return self.inner.blocks if self.inner is not None else None
+
+
+def check_skip_layers(skip: Any, num_layers: int) -> None:
+    if not isinstance(skip, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in skip):
+        raise ConfigError("method.skip_layers", f"must be a list of layer ids, got {skip!r}")
+    bad = [i for i in skip if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError("method.skip_layers", f"layer ids must be in [0, {num_layers}); got {bad}")
+    if len(set(skip)) >= num_layers:
+        raise ConfigError("method.skip_layers", f"skips all {num_layers} layers of the target; keep at least one")
+    if not skip:
+        raise ConfigError("method.skip_layers", "is empty: the draft would be the target itself; skip some layers "
+                                                "or leave it unset to calibrate")
+
+
+@register("layer_skip")
+def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> LayerSkipProposer:
+    return LayerSkipProposer(spec, ctx)
