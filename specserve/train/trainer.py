@@ -81,9 +81,13 @@ def new_head(target: LoadedModel, cfg: TrainConfig, layer_ids: tuple[int, ...], 
     with torch.no_grad():
         for lin in (head.fc, head.layer.qkv_proj, head.layer.o_proj, head.layer.gate_up_proj, head.layer.down_proj):
             nn.init.normal_(lin.weight, std=0.02)
-        if cfg.head.init == "target":  # start from the target's output layer
-            w = target_lm_rows(target, vocab)
-            head.lm_head.weight.copy_(w)
+        if cfg.head.init == "target":
+            # Start as "the target's own prediction at this position": fc passes the high
+            # layer's stream through, the layer adds little, and norm + LM head are the target's.
+            H = c.hidden_size
+            head.fc.weight.zero_()
+            head.fc.weight[:, 2 * H :] = torch.eye(H)
+            head.lm_head.weight.copy_(target_lm_rows(target, vocab))
             head.norm.weight.copy_(target.model.norm.weight.float())
     head = head.to(device)
     if vocab is not None:

@@ -66,42 +66,47 @@ def _shift(x: Tensor, j: int, fill=0) -> Tensor:
     return torch.cat([x[:, j:], pad], dim=1)
 
 
-def unroll(head: EagleHead, batch: Batch, steps: int) -> Iterator[Tensor]:
-    """The head's logits (B, T, Vd) at each unrolled step j = 0 .. steps - 1 (row t of
-    step j predicts token t + 2 + j)."""
+def unroll(head: EagleHead, batch: Batch, steps: int, first_row: int = 0) -> Iterator[tuple[int, Tensor]]:
+    """The head's output (before its final norm) at each unrolled step j = 0 .. steps - 1,
+    as (t0, (B, T - t0, H)) for rows t0..T-1 (row t of step j predicts token t + 2 + j).
+    Step 0 runs every row (all are keys of later rows); steps >= 1 only rows from
+    ``first_row`` on (earlier rows would predict prompt tokens only)."""
     c = head.c
     B, T = batch.feats.shape[:2]
     dev = batch.feats.device
     nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
     rep = nh // nkv
     scale = 1.0 / math.sqrt(hd)
-    t = torch.arange(T, device=dev)
-    causal = t[None, :] <= t[:, None]  # (T, T): key s visible to query t
-    hidden = head.project(batch.feats.to(head.fc.weight.dtype))  # (B, T, H)
     k0 = v0 = None
     diag_k: list[Tensor] = []
     diag_v: list[Tensor] = []
+    hidden = head.project(batch.feats.to(head.fc.weight.dtype))  # (B, T, H)
     for j in range(steps):
-        ids = _shift(batch.tokens, 1 + j)[:, :T]  # (B, T): token t + 1 + j
-        residual, x = head.step_input(ids.reshape(-1), hidden.reshape(B * T, -1))
+        t0 = 0 if j == 0 else min(first_row, T - 1)
+        if j == 1:
+            hidden = hidden[:, t0:]
+        n = T - t0
+        t = torch.arange(t0, T, device=dev)
+        ids = _shift(batch.tokens, 1 + j)[:, t0 : T]  # (B, n): token t + 1 + j
+        residual, x = head.step_input(ids.reshape(-1), hidden.reshape(B * n, -1))
         cos, sin = head.rotary.tables((t + j).repeat(B), x.dtype)
-        q, k, v = head.layer.qkv(x, cos, sin)  # (B*T, nh|nkv, hd)
-        q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, nkv, hd).transpose(1, 2).repeat_interleave(rep, dim=1)  # (B, nh, T, hd)
-        v = v.view(B, T, nkv, hd).transpose(1, 2).repeat_interleave(rep, dim=1)
+        q, k, v = head.layer.qkv(x, cos, sin)  # (B*n, nh|nkv, hd)
+        q = q.view(B, n, nh, hd).transpose(1, 2)  # (B, nh, n, hd)
+        k = k.view(B, n, nkv, hd).transpose(1, 2).repeat_interleave(rep, dim=1)  # (B, nh, n, hd)
+        v = v.view(B, n, nkv, hd).transpose(1, 2).repeat_interleave(rep, dim=1)
         if j == 0:
             k0, v0 = k, v
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hd)
         else:
             diag_k.append(k)
             diag_v.append(v)
-            s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, nh, T, T): the real rows 0..t
-            s0 = s0.masked_fill(~causal, float("-inf"))
-            sd = torch.stack([(q * kk).sum(-1) for kk in diag_k], dim=-1) * scale  # (B, nh, T, j): own drafts
+            s0 = (q @ k0.transpose(-1, -2)) * scale  # (B, nh, n, T): the real rows 0..t
+            s0 = s0.masked_fill(torch.arange(T, device=dev)[None, :] > t[:, None], float("-inf"))
+            sd = torch.stack([(q * kk).sum(-1) for kk in diag_k], dim=-1) * scale  # (B, nh, n, j): own drafts
             w = torch.softmax(torch.cat([s0, sd], dim=-1), dim=-1)
             attn = w[..., :T] @ v0 + (w[..., T:, None] * torch.stack(diag_v, dim=-2)).sum(-2)
-        out = head.layer.output(residual, attn.transpose(1, 2).reshape(B * T, nh * hd)).view(B, T, -1)
-        yield head.logits(out)  # (B, T, Vd) float32
+        out = head.layer.output(residual, attn.transpose(1, 2).reshape(B * n, nh * hd)).view(B, n, -1)
+        yield t0, out
         hidden = out
 
 
@@ -109,26 +114,34 @@ def ttt_loss(head: EagleHead, batch: Batch, target_lm: Tensor, steps: int, step_
              loss_on_prompt: bool = False) -> tuple[Tensor, list[float], list[float]]:
     """Weighted loss over ``steps`` unrolled steps, plus per step the loss and the top-1
     agreement with the target's token (response positions).  ``target_lm``: (Vd, H) the
-    target's LM head rows of the draft vocabulary."""
+    target's LM head rows of the draft vocabulary.  Logits are computed only for the
+    rows that have a loss (the LM head is most of the head's cost)."""
     B, T = batch.feats.shape[:2]
     dev = batch.feats.device
-    t = torch.arange(T, device=dev)
-    with torch.no_grad():
-        target_logp = F.log_softmax(batch.final.float() @ target_lm.T, dim=-1)  # (B, T, Vd)
+    first = 0 if loss_on_prompt else max(int(batch.prompt_len.min()) - 1 - steps, 0)
     total = torch.zeros((), device=dev)
     losses, agree = [], []
-    for j, logits in enumerate(unroll(head, batch, steps)):
+    for j, (t0, out) in enumerate(unroll(head, batch, steps, first)):
+        t = torch.arange(t0, T, device=dev)
         # row t at step j predicts token t + 2 + j from the target's distribution at t + 1 + j
-        valid = (t[None, :] + 1 + j) < batch.n[:, None]  # (B, T)
+        valid = (t[None, :] + 1 + j) < batch.n[:, None]  # (B, n)
         resp = (t[None, :] + 2 + j) >= batch.prompt_len[:, None]
         mask = valid if loss_on_prompt else valid & resp
-        tgt = _shift(target_logp, 1 + j)
-        ce = -(tgt.exp() * F.log_softmax(logits, dim=-1)).sum(-1)  # (B, T)
-        loss_j = (ce * mask).sum() / mask.sum().clamp(min=1)
+        b, r = mask.nonzero(as_tuple=True)  # rows with a loss
+        if b.numel() == 0:
+            losses.append(0.0)
+            agree.append(0.0)
+            continue
+        pos = r + t0
+        logits = head.logits(out[b, r])  # (N, Vd) float32
+        with torch.no_grad():
+            target_logp = F.log_softmax(batch.final[b, pos + 1 + j].float() @ target_lm.T, dim=-1)  # (N, Vd)
+        ce = -(target_logp.exp() * F.log_softmax(logits, dim=-1)).sum(-1)  # (N,)
+        loss_j = ce.mean()
         total = total + (step_weight**j) * loss_j
         with torch.no_grad():
-            want = _shift(batch.tokens, 2 + j)[:, :T]  # the target's token at t + 2 + j
-            hit = (head.to_target_ids(logits.argmax(-1)) == want) & valid & resp
-            agree.append(float(hit.sum()) / max(int((valid & resp).sum()), 1))
+            hit = head.to_target_ids(logits.argmax(-1)) == batch.tokens[b, pos + 2 + j]
+            keep = resp[b, r]
+            agree.append(float((hit & keep).sum()) / max(int(keep.sum()), 1))
         losses.append(float(loss_j.detach()))
     return total, losses, agree

@@ -34,7 +34,7 @@ def test_unrolled_steps_match_the_paged_head(tmp_path, nkv):
     tokens = torch.randint(3, 500, (1, n + 1))
     feats = torch.randn(1, n, 3 * 64) * 3
     batch = Batch(tokens, feats, torch.zeros(1, n, 64), torch.tensor([n]), torch.tensor([0]))
-    ttt = list(unroll(head, batch, steps))  # each (1, n, Vd)
+    ttt = [head.logits(out) for _, out in unroll(head, batch, steps)]  # each (1, n, Vd): first_row 0
     bs = 4
     for t0 in (0, 3, 6):
         kv = KVCache(1, 16, bs, nkv, 16, torch.float32, torch.device("cpu"))
@@ -52,3 +52,7 @@ def test_unrolled_steps_match_the_paged_head(tmp_path, nkv):
                     hidden = head(torch.tensor(b.token_ids), hidden, pos, meta, kv.layer(0))
                 served = head.logits(hidden)[0]
                 torch.testing.assert_close(served, ttt[j][0, t0].detach(), atol=2e-4, rtol=1e-4)
+    # starting later steps at a later row changes nothing for the rows computed
+    late = [(s, head.logits(out)) for s, out in unroll(head, batch, steps, first_row=5)]
+    for j, (s, lg) in enumerate(late):
+        torch.testing.assert_close(lg[0], ttt[j][0, s:], atol=2e-4, rtol=1e-4)
