@@ -19,6 +19,17 @@ from specserve.executor.loader import load_model
 MAX_TOKENS = 32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: torch's intra-op threads only contend (on a shared box, badly)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def deep_llama(tmp_path_factory):
     """Six layers, so that calibration has a choice to make."""

@@ -98,6 +98,17 @@ def test_exhausted_prediction_drafts_nothing():
 # ------------------------------------------------------------------ the engine
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: torch's intra-op threads only contend (on a shared box, badly)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def prompts():
     return random_prompts(8, seed=5)

@@ -1,0 +1,149 @@
+"""What the proposers with their own small networks share (MTP layers, the MLP
+speculator, the DFlash block): attention metadata for their paged KV caches, reading
+a few tensors of a checkpoint, fusing one decoder layer's weights, and turning
+their logits into draft tokens (``HeadSampler``).
+
+Drafts and draft distributions (``HeadSampler``):
+
+Greedy requests, and every request under strict verification, draft the argmax
+(q is one-hot: the sampler needs no q).  With ``rejection_sample_method=
+probabilistic`` a sampled request's drafts are drawn from q = the head's
+distribution under the request's own temperature / top-k / top-p / min-p, and q
+is returned for the rejection sampler (accept d with min(1, p(d)/q(d))):
+lossless, and more drafts accepted than with one-hot q.  The draws use a Philox
+stream of their own per request (the request's seed with a salt, or a seed drawn
+once per request; offset = the draft's position in the sequence), so a seeded
+request is reproducible whatever batch it is in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from specserve.executor.attention import AttentionMetadata, CausalGroup, build_padded_group
+from specserve.executor.batch import StepBatch
+
+from specserve.request import GREEDY_EPS
+from specserve.sampling.philox import philox_uniforms, random_seed, seed_to_int64
+from specserve.sampling.processors import SamplingTensors, logits_to_probs, sample_from_probs
+
+SALT = 0x5D3A_91C7_2E4F_B86B  # separates a request's draft stream from its verification stream
+
+
+class HeadSampler:
+    def __init__(self, probabilistic: bool, vocab_size: int, device: torch.device, seed: int = 0):
+        self.probabilistic = probabilistic
+        self.vocab_size = vocab_size
+        self.device = device
+        self._gen = torch.Generator().manual_seed(seed ^ 0x2545F491)
+        self._seeds: dict[str, int] = {}
+
+    def seed_of(self, seq) -> int:
+        s = self._seeds.get(seq.request_id)
+        if s is None:
+            own = getattr(seq.params, "seed", None)
+            s = random_seed(self._gen) if own is None else seed_to_int64((seed_to_int64(own) & (2**64 - 1)) ^ SALT)
+            self._seeds[seq.request_id] = s
+        return s
+
+    def forget(self, request_id: str) -> None:
+        self._seeds.pop(request_id, None)
+
+    def needs_q(self, seqs: list) -> bool:
+        """Whether any of these requests drafts by sampling (else argmax everywhere)."""
+        return self.probabilistic and any(s.params.temperature >= GREEDY_EPS for s in seqs)
+
+    def draw(self, logits: Tensor, seqs: list, positions: list[int]) -> tuple[Tensor, Tensor | None]:
+        """Draft tokens (B,) from logits (B, V), one row per request in ``seqs``;
+        ``positions``: each draft's position in its sequence.  Returns the tokens and,
+        when some row sampled, q (B, V) (one-hot rows for greedy requests)."""
+        if not self.needs_q(seqs):
+            return logits.argmax(dim=-1), None
+        ps = [s.params for s in seqs]
+        st = SamplingTensors.build([p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+                                   [p.min_p for p in ps], self.device)
+        q = logits_to_probs(logits.float(), st)  # greedy rows: one-hot at the argmax
+        seeds = torch.tensor([self.seed_of(s) for s in seqs], dtype=torch.int64, device=self.device)
+        offsets = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        u = philox_uniforms(seeds, offsets, 1)[:, 0]
+        return sample_from_probs(q, u), q
+
+
+def step_metadata(batch: StepBatch, block_size: int, device: torch.device,
+                  window: int | None = None) -> tuple[AttentionMetadata, Tensor, Tensor]:
+    """(attention metadata, token ids (T,), positions (T,)) for a forward of a head over
+    ``batch`` in its own paged cache: fresh sequences attend causally among their new
+    tokens; the others read their cached positions through a padded group."""
+    causal: list[CausalGroup] = []
+    starts, lens, ctx, tables = [], [], [], []
+    qs = batch.query_start
+    for b, n_ctx in enumerate(batch.seq_lens):
+        s, n = qs[b], qs[b + 1] - qs[b]
+        if n_ctx == n and n >= 2 and (window is None or n <= window):
+            causal.append(CausalGroup(start=s, length=n))
+        else:
+            starts.append(s)
+            lens.append(n)
+            ctx.append(n_ctx)
+            tables.append(batch.block_tables[b])
+    padded = build_padded_group(starts, lens, ctx, tables, block_size, window, device) if lens else None
+    meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
+                             causal=causal, padded=padded)
+    ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=device)
+    return meta, ids, torch.tensor(batch.positions, dtype=torch.int64, device=device)
+
+
+def read_tensors(hf_dir: Path, wanted) -> dict[str, Tensor]:
+    """The tensors of a checkpoint whose names satisfy ``wanted(name)``, reading only
+    those from safetensors files (a sharded index says which file holds what)."""
+    from safetensors import safe_open
+
+    single, index = hf_dir / "model.safetensors", hf_dir / "model.safetensors.index.json"
+    if single.is_file() or index.is_file():
+        if single.is_file():
+            files = {single: None}
+        else:
+            files = {}
+            for name, f in json.loads(index.read_text())["weight_map"].items():
+                if wanted(name):
+                    files.setdefault(hf_dir / f, []).append(name)
+        out: dict[str, Tensor] = {}
+        for path, names in files.items():
+            with safe_open(str(path), framework="pt") as f:
+                for name in names if names is not None else [k for k in f.keys() if wanted(k)]:
+                    out[name] = f.get_tensor(name)
+        return out
+    from specserve.executor.loader import read_state_dict
+
+    return {k: v for k, v in read_state_dict(hf_dir).items() if wanted(k)}
+
+
+def fuse_layer(sd: dict[str, Tensor], prefix: str, a, out_prefix: str = "") -> dict[str, Tensor]:
+    """One HF-named Llama/Qwen decoder layer (``prefix`` + input_layernorm, self_attn.*,
+    mlp.*) -> the names of specserve's ``DecoderLayer`` (q/k/v and gate/up fused)."""
+    from specserve.errors import ModelLoadError
+
+    def take(key: str) -> Tensor:
+        if prefix + key not in sd:
+            raise ModelLoadError(f"checkpoint is missing tensor {prefix + key!r}")
+        return sd[prefix + key]
+
+    o = out_prefix
+    out = {
+        o + "input_layernorm.weight": take("input_layernorm.weight"),
+        o + "post_attention_layernorm.weight": take("post_attention_layernorm.weight"),
+        o + "qkv_proj.weight": torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"], 0),
+        o + "o_proj.weight": take("self_attn.o_proj.weight"),
+        o + "gate_up_proj.weight": torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")], 0),
+        o + "down_proj.weight": take("mlp.down_proj.weight"),
+    }
+    if a.attention_bias:
+        out[o + "qkv_proj.bias"] = torch.cat([take(f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
+    if a.qk_norm:
+        out[o + "q_norm.weight"] = take("self_attn.q_norm.weight")
+        out[o + "k_norm.weight"] = take("self_attn.k_norm.weight")
+    return out

@@ -1,0 +1,276 @@
+"""MTP (``+method=mtp``): drafts from the multi-token-prediction layers stored inside
+the target's own checkpoint; no separate draft model.
+
+Layouts read (Llama/Qwen2/Qwen3-style targets, the families the executor serves):
+
+* DeepSeek-V3 naming: ``model.layers.{N+k}.{enorm, hnorm, eh_proj, shared_head.norm,
+  shared_head.head}`` plus an ordinary decoder layer's tensors at the same index
+  (N = num_hidden_layers, k < num_nextn_predict_layers); a missing
+  ``shared_head.head`` shares the target's LM head.  Step:
+  ``x = block(eh_proj(cat(enorm(emb), hnorm(h))))``, logits =
+  ``head(shared_head.norm(x))``, and ``x`` is the next step's ``h``.
+* MiMo: ``model.mtp_layers.{k}.{token_layernorm, hidden_layernorm, input_proj,
+  final_layernorm, mtp_block.*}``.  Step: ``y = final_layernorm(mtp_block(input_proj(
+  cat(hidden_layernorm(h), token_layernorm(emb)))))``, logits = the target's LM head
+  on ``y``, and ``y`` is the next step's ``h``.
+
+Both embed with the target's embedding, zero the embedding at position 0 and use
+the target's rotary table, as vLLM does.
+
+Alignment (as vLLM's MTP/EAGLE proposers): the pair (target hidden h_t, next token
+x_{t+1}) is the layer's input at position t.  The first hidden state is the
+target's final-normed hidden state of every token row (``aux_layer_ids =
+(num_layers,)``).  After each verification the proposer runs the layers over the
+pairs of the positions just committed (filling their KV caches) and then drafts:
+draft 1 from the last committed pair, draft s from (the layer's own output,
+draft s-1) one position later.  Step s uses MTP layer min(s - 1, n - 1): K beyond
+the number of MTP layers reuses the last one.  Every layer's cache is filled
+at the committed positions from the same target pairs; deeper layers therefore see
+depth-0 inputs there (a simplification; drafts stay lossless whatever they are).
+
+The layers' KV caches are the proposer's own (one cache layer per MTP layer,
+blocks mirroring the target's count); rollback is bookkeeping.  Positions the
+target never ran (prefix-cached prompt blocks) have no hidden state; their
+entries stay empty.  Drafts: argmax, or sampled from the layer's distribution
+with probabilistic verification (``heads.HeadSampler``).  Torch path (eager on
+CUDA too).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from specserve.config import SpeculativeConfig
+from specserve.errors import ConfigError
+from specserve.executor.batch import SeqInput, StepBatch
+from specserve.executor.kv_cache import KVCache
+from specserve.executor.loader import LoadedModel
+from specserve.executor.models.llama import DecoderLayer, RMSNorm
+from specserve.kv_blocks import BlockManager
+from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.proposers.heads import HeadSampler, fuse_layer, read_tensors, step_metadata
+
+log = logging.getLogger(__name__)
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, a: Any, index: int, layout: str, own_head: bool):
+        super().__init__()
+        H = a.hidden_size
+        self.layout = layout  # "deepseek" or "mimo"
+        self.emb_norm = RMSNorm(H, a.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, a.rms_norm_eps)
+        self.proj = nn.Linear(2 * H, H, bias=False)
+        self.block = DecoderLayer(a, index)  # index: its layer in the proposer's KV cache
+        self.out_norm = RMSNorm(H, a.rms_norm_eps)
+        self.head = nn.Linear(H, a.vocab_size, bias=False) if own_head else None
+
+    def forward(self, emb: Tensor, h: Tensor, cos, sin, meta, kv) -> tuple[Tensor, Tensor]:
+        """-> (the next step's h, what the LM head reads)."""
+        e, h = self.emb_norm(emb), self.hidden_norm(h)
+        x = self.proj(torch.cat([e, h] if self.layout == "deepseek" else [h, e], dim=-1))
+        x = self.block(x, cos, sin, meta, kv)
+        y = self.out_norm(x)
+        return (x if self.layout == "deepseek" else y), y
+
+
+def find_mtp_layers(hf_dir, hf_config: Any, num_layers: int) -> tuple[str, int, dict[str, Tensor]]:
+    """(layout, number of MTP layers, their tensors by checkpoint name); ConfigError if none."""
+    n_cfg = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+    sd = read_tensors(hf_dir, lambda k: k.startswith("model.mtp_layers.") or _deepseek_index(k, num_layers) is not None)
+    mimo = sorted({int(k.split(".")[2]) for k in sd if k.startswith("model.mtp_layers.")})
+    deep = sorted({i for k in sd if (i := _deepseek_index(k, num_layers)) is not None
+                   and f"model.layers.{i}.eh_proj.weight" in sd})
+    if mimo:
+        n = n_cfg or len(mimo)
+        layout = "mimo"
+        have = mimo
+    elif deep:
+        n = n_cfg or len(deep)
+        layout = "deepseek"
+        have = [i - num_layers for i in deep]
+    else:
+        raise ConfigError(
+            "method.method",
+            f"mtp needs a target with MTP layers; {hf_dir} has none (num_nextn_predict_layers={n_cfg}, no "
+            f"model.mtp_layers.* and no model.layers.{num_layers}.eh_proj tensors): pick another method",
+        )
+    missing = [k for k in range(n) if k not in have]
+    if missing:
+        raise ConfigError("method.method", f"mtp: num_nextn_predict_layers={n} but MTP layer(s) {missing} "
+                                           f"are missing from {hf_dir}")
+    return layout, n, sd
+
+
+def _deepseek_index(name: str, num_layers: int) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        i = int(parts[2])
+        return i if i >= num_layers else None
+    return None
+
+
+def build_mtp_layers(layout: str, n: int, sd: dict[str, Tensor], a: Any, num_layers: int) -> nn.ModuleList:
+    layers = nn.ModuleList()
+    for k in range(n):
+        if layout == "mimo":
+            p = f"model.mtp_layers.{k}."
+            names = {"emb_norm.weight": "token_layernorm.weight", "hidden_norm.weight": "hidden_layernorm.weight",
+                     "proj.weight": "input_proj.weight", "out_norm.weight": "final_layernorm.weight"}
+            block_prefix, own_head = p + "mtp_block.", False
+        else:
+            p = f"model.layers.{num_layers + k}."
+            names = {"emb_norm.weight": "enorm.weight", "hidden_norm.weight": "hnorm.weight",
+                     "proj.weight": "eh_proj.weight", "out_norm.weight": "shared_head.norm.weight"}
+            block_prefix, own_head = p, p + "shared_head.head.weight" in sd
+            if own_head:
+                names["head.weight"] = "shared_head.head.weight"
+        layer = MTPLayer(a, k, layout, own_head)
+        weights = {ours: sd[p + theirs] for ours, theirs in names.items() if p + theirs in sd}
+        absent = [p + theirs for ours, theirs in names.items() if p + theirs not in sd]
+        if absent:
+            raise ConfigError("method.method", f"mtp: the checkpoint lacks {absent[0]}")
+        weights.update(fuse_layer(sd, block_prefix, a, "block."))
+        layer.load_state_dict(weights, strict=True)
+        layers.append(layer)
+    return layers
+
+
+@dataclass
+class _State:
+    num_computed: int = 0  # positions whose pairs are in the layers' caches
+    block_table: list[int] = field(default_factory=list)
+
+
+class MTPProposer:
+    def __init__(self, target: LoadedModel, layers: nn.ModuleList, k: int, num_blocks: int, block_size: int,
+                 probabilistic: bool, seed: int = 0):
+        self.target = target
+        self.model = target.model
+        self.layers = layers.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        self.k = k
+        self.device = target.device
+        self.block_size = block_size
+        self.aux_layer_ids = (target.arch.num_layers,)  # the final-normed hidden state of every row
+        a = target.arch
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.kv = KVCache(len(layers), num_blocks, block_size, a.num_kv_heads, a.head_dim, target.dtype, target.device)
+        self.window = a.sliding_window
+        self.sampler = HeadSampler(probabilistic, a.vocab_size, target.device, seed)
+        self.states: dict[str, _State] = {}
+
+    def _logits(self, layer: MTPLayer, y: Tensor) -> Tensor:
+        if layer.head is not None:
+            return layer.head(y).float()
+        return self.model.compute_logits(y)
+
+    def _run(self, j: int, seqs: list[SeqInput], h: Tensor, ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        batch = StepBatch.from_inputs(seqs, self.block_size)
+        meta, tok, pos = step_metadata(batch, self.block_size, self.device, self.window)
+        emb = self.model.embed_tokens(tok if ids is None else ids)
+        emb = emb.masked_fill((pos == 0)[:, None], 0)
+        cos, sin = self.model.rotary.tables(pos, emb.dtype)
+        nxt, y = self.layers[j](emb, h, cos, sin, meta, self.kv)
+        rows = torch.tensor(batch.logits_rows, dtype=torch.int64, device=self.device)
+        return nxt.index_select(0, rows), y.index_select(0, rows)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest], step: Any = None) -> Proposal:
+        drafts: list[list[int]] = [[] for _ in requests]
+        if step is None:
+            return Proposal(token_ids=drafts)
+        feats = step.aux[self.aux_layer_ids[0]]
+        inputs: list[SeqInput] = []
+        rows: list[int] = []
+        drafting: list[tuple[int, int, _State]] = []  # (request index, position of its last pair, state)
+        for i, r in enumerate(requests):
+            if r.hidden_rows is None or len(r.hidden_rows) == 0:
+                continue
+            seq = r.seq
+            st = self.states.setdefault(seq.request_id, _State())
+            m = len(r.hidden_rows)
+            q0 = seq.num_computed - m  # position of the first row fed in the step
+            st.num_computed = q0  # a gap (prefix-cached blocks) stays empty
+            want = r.max_drafts if r.max_drafts > 0 and self.k > 0 else 0
+            if not self.blocks.ensure(st.block_table, q0 + m + max(want - 1, 0)):
+                want = 0
+                if not self.blocks.ensure(st.block_table, q0 + m):
+                    self.remove(seq.request_id)
+                    continue
+            toks = seq.token_ids[q0 + 1 : q0 + m + 1]  # x_{t+1} for t = q0 .. q0 + m - 1
+            inputs.append(SeqInput(toks, q0, st.block_table, [m - 1] if want else []))
+            rows.extend(r.hidden_rows)
+            st.num_computed = q0 + m
+            if want:
+                drafting.append((i, q0 + m - 1, st))
+        if not inputs:
+            return Proposal(token_ids=drafts)
+        h = feats.index_select(0, torch.tensor(rows, dtype=torch.int64, device=feats.device))
+        h = h.to(device=self.device, dtype=self.target.dtype)
+        for j in range(len(self.layers) - 1, -1, -1):  # every layer's cache; layer 0 last: its outputs draft
+            nxt, y = self._run(j, inputs, h)
+        if not drafting:
+            return Proposal(token_ids=drafts)
+        return self._draft(requests, drafting, nxt, y, drafts)
+
+    def _draft(self, requests, drafting, h: Tensor, y: Tensor, drafts: list[list[int]]) -> Proposal:
+        seqs = [requests[i].seq for i, _, _ in drafting]
+        want = [min(self.k, requests[i].max_drafts) for i, _, _ in drafting]
+        probs = None
+        if self.sampler.needs_q(seqs):
+            probs = torch.zeros(len(requests), max(want), self.target.arch.vocab_size, device=self.device)
+        active = list(range(len(drafting)))
+        columns: list[tuple[list[int], Tensor]] = []
+        s = 1
+        while True:
+            logits = self._logits(self.layers[min(s - 1, len(self.layers) - 1)], y)
+            tokens, q = self.sampler.draw(logits, [seqs[a] for a in active],
+                                          [len(seqs[a].token_ids) + s - 1 for a in active])
+            if q is not None:
+                probs[torch.tensor([drafting[a][0] for a in active], device=self.device), s - 1] = q
+            columns.append(([drafting[a][0] for a in active], tokens))
+            keep = [n for n, a in enumerate(active) if want[a] > s]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                sel = torch.tensor(keep, dtype=torch.int64, device=self.device)
+                tokens, h = tokens.index_select(0, sel), h.index_select(0, sel)
+                active = [active[n] for n in keep]
+            j = min(s, len(self.layers) - 1)
+            step_in = [SeqInput([0], drafting[a][1] + s, drafting[a][2].block_table, [0]) for a in active]
+            h, y = self._run(j, step_in, h, ids=tokens)
+            s += 1
+        for rows, t in columns:  # the loop's only device -> host reads
+            for i, tok in zip(rows, t.tolist()):
+                drafts[i].append(tok)
+        return Proposal(token_ids=drafts, probs=probs)
+
+    def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
+        """Nothing to roll back: the next round rewrites every position after the committed ones."""
+
+    def remove(self, request_id: str) -> None:
+        st = self.states.pop(request_id, None)
+        if st is not None:
+            self.blocks.free(st.block_table)
+        self.sampler.forget(request_id)
+
+
+@register("mtp")
+def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> MTPProposer:
+    target = ctx.target
+    if spec.model:
+        raise ConfigError("method.model", "mtp uses the MTP layers inside the target's checkpoint; leave it unset")
+    if spec.parallel_drafting:
+        raise ConfigError("method.parallel_drafting", "is not supported by mtp (its layers draft one token each)")
+    layout, n, sd = find_mtp_layers(target.hf_dir, target.hf_config, target.arch.num_layers)
+    layers = build_mtp_layers(layout, n, sd, target.arch, target.arch.num_layers)
+    e = ctx.engine
+    log.info("mtp: %d MTP layer(s) in the %s layout; K=%d (steps beyond %d reuse the last layer)",
+             n, layout, spec.num_speculative_tokens, n)
+    return MTPProposer(target, layers, spec.num_speculative_tokens, ctx.num_kv_blocks, e.block_size,
+                       probabilistic=spec.rejection_sample_method == "probabilistic", seed=e.seed)

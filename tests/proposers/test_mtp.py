@@ -1,0 +1,194 @@
+"""MTP: tiny random targets carrying MTP layers in the DeepSeek-V3 naming (llama and
+qwen3, own and shared head, one and two layers) and the MiMo layout (qwen2), built
+here as checkpoints; greedy output equals plain decoding for K within and beyond
+the number of MTP layers; KV blocks freed; sampled drafts under probabilistic
+verification keep the target's distribution; a target without MTP layers is one line."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from engine_utils import greedy, random_prompts, run, tiny_config
+from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_model
+
+from specserve.config import ConfigError
+from specserve.engine.engine import LLMEngine
+from specserve.request import SamplingParams
+
+MAX_TOKENS = 16
+
+
+def _layer(prefix: str, cfg: dict, g: torch.Generator, arch: str) -> dict[str, torch.Tensor]:
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 3 / shape[-1] ** 0.5
+
+    t = {
+        "input_layernorm.weight": torch.ones(H), "post_attention_layernorm.weight": torch.ones(H),
+        "self_attn.q_proj.weight": w(q, H), "self_attn.k_proj.weight": w(kv, H), "self_attn.v_proj.weight": w(kv, H),
+        "self_attn.o_proj.weight": w(H, q), "mlp.gate_proj.weight": w(I, H), "mlp.up_proj.weight": w(I, H),
+        "mlp.down_proj.weight": w(H, I),
+    }
+    if arch == "qwen2":
+        t.update({f"self_attn.{n}_proj.bias": torch.randn(s, generator=g) * 0.1 for n, s in (("q", q), ("k", kv), ("v", kv))})
+    if arch == "qwen3":
+        t.update({"self_attn.q_norm.weight": torch.ones(hd), "self_attn.k_norm.weight": torch.ones(hd)})
+    return {prefix + k: v for k, v in t.items()}
+
+
+def add_mtp_layers(model_dir: Path, arch: str, layout: str, n: int, own_head: bool = False, seed: int = 0) -> Path:
+    """Write n MTP layers into a tiny checkpoint (DeepSeek-V3 naming or MiMo layout)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    H, V, N = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    g = torch.Generator().manual_seed(seed)
+    sd = load_file(str(model_dir / "model.safetensors"))
+    for k in range(n):
+        if layout == "deepseek":
+            p = f"model.layers.{N + k}."
+            sd.update(_layer(p, cfg, g, arch))
+            sd[p + "enorm.weight"] = torch.ones(H)
+            sd[p + "hnorm.weight"] = torch.ones(H)
+            sd[p + "eh_proj.weight"] = torch.randn(H, 2 * H, generator=g) * 3 / (2 * H) ** 0.5
+            sd[p + "shared_head.norm.weight"] = torch.ones(H)
+            if own_head:
+                sd[p + "shared_head.head.weight"] = torch.randn(V, H, generator=g) * 3 / H**0.5
+        else:
+            p = f"model.mtp_layers.{k}."
+            sd.update(_layer(p + "mtp_block.", cfg, g, arch))
+            sd[p + "token_layernorm.weight"] = torch.ones(H)
+            sd[p + "hidden_layernorm.weight"] = torch.ones(H)
+            sd[p + "input_proj.weight"] = torch.randn(H, 2 * H, generator=g) * 3 / (2 * H) ** 0.5
+            sd[p + "final_layernorm.weight"] = torch.ones(H)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(model_dir / "model.safetensors"))
+    cfg["num_nextn_predict_layers"] = n
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    return model_dir
+
+
+CASES = {  # name: (arch, layout, MTP layers, own head)
+    "deepseek-llama-1": ("llama", "deepseek", 1, False),
+    "deepseek-llama-2-own-head": ("llama", "deepseek", 2, True),
+    "deepseek-qwen3-1": ("qwen3", "deepseek", 1, True),
+    "mimo-qwen2-1": ("qwen2", "mimo", 1, False),
+    "mimo-qwen2-2": ("qwen2", "mimo", 2, False),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: torch's intra-op threads only contend (on a shared box, badly)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    out = {}
+    for name, (arch, layout, n, own) in CASES.items():
+        d = make_tiny_model(root / name, arch, seed=11)
+        out[name] = add_mtp_layers(d, arch, layout, n, own)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(4, seed=21)
+
+
+def _plain(model_dir, prompts):
+    cfg = tiny_config(model_dir)
+    cfg.engine.num_prediction_tokens = 0
+    return run(LLMEngine(cfg), prompts, [greedy(MAX_TOKENS) for _ in prompts])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_equals_plain_decoding(targets, prompts, name):
+    model = targets[name]
+    ref = _plain(model, prompts)
+    n = CASES[name][2]
+    for k in (n + 1,):  # K beyond the MTP layers: steps past the last one reuse it
+        eng = LLMEngine(tiny_config(model, "mtp", k=k))
+        outs = eng.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts])
+        assert [o.token_ids for o in outs] == ref, (name, k)
+        assert sum(o.spec.num_draft_tokens for o in outs) > 0
+        assert eng.blocks.num_free == eng.blocks.num_blocks
+        assert eng.proposer.blocks.num_free == eng.proposer.blocks.num_blocks and not eng.proposer.states
+        assert eng.proposer.layers[0].layout == CASES[name][1]
+
+
+def test_chunked_prefill_and_preemption(targets, prompts):
+    model = targets["mimo-qwen2-2"]
+    ref = _plain(model, prompts)
+    cfg = tiny_config(model, "mtp", k=3, num_blocks=26, block_size=4)
+    cfg.engine.max_num_batched_tokens = 16
+    eng = LLMEngine(cfg)
+    outs = eng.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts])
+    assert [o.token_ids for o in outs] == ref
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_probabilistic_sampled_drafts_keep_the_distribution(targets):
+    """Drafts sampled from the MTP layer's q, verified with min(1, p/q): the target's
+    distribution of output tokens 2..4 matches plain sampling (600 seeded requests;
+    at 2000 the distance is at the noise level of two plain runs, ~0.03)."""
+    model = targets["deepseek-llama-1"]
+    prompt, n = [11, 12, 13, 14], 600
+
+    def sample(method):
+        cfg = tiny_config(model, method, k=2, num_blocks=2048, block_size=4,
+                          **({"rejection_sample_method": "probabilistic"} if method else {}))
+        cfg.engine.max_num_seqs = 200
+        cfg.engine.num_prediction_tokens = 0
+        cfg.engine.num_threads = 1  # hundreds of tiny attention calls: threads only contend
+        eng = LLMEngine(cfg)
+        ps = [SamplingParams(temperature=0.05, max_tokens=4, seed=7000 + i, ignore_eos=True) for i in range(n)]
+        return eng.generate([prompt] * n, ps)
+
+    base, spec = sample(None), sample("mtp")
+    assert sum(o.spec.num_draft_tokens for o in spec) > n  # drafts were sampled and verified
+    for pos in (1, 2, 3):
+        a = Counter(o.token_ids[pos] for o in base)
+        b = Counter(o.token_ids[pos] for o in spec)
+        tv = 0.5 * sum(abs(a[t] - b[t]) for t in set(a) | set(b)) / n
+        assert tv < 0.15, (pos, tv)
+
+
+def test_head_sampler_q_is_what_it_samples_from():
+    """The q handed to the rejection sampler is the distribution the drafts come from."""
+    from specserve.proposers.heads import HeadSampler
+
+    class Seq:
+        def __init__(self, i, t):
+            self.request_id, self.params = f"r{i}", SamplingParams(temperature=t, top_k=8, seed=i)
+
+    V, n = 12, 4000
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(0)) * 2
+    hs = HeadSampler(True, V, torch.device("cpu"))
+    toks, q = hs.draw(logits.expand(n, V), [Seq(i, 0.9) for i in range(n)], [5] * n)  # one row per request
+    assert torch.equal(q, q[:1].expand(n, V))
+    q0 = q[0]
+    counts = torch.bincount(toks, minlength=V).float()
+    assert (q0 > 0).sum() == 8  # top-k applied
+    assert 0.5 * (counts / n - q0).abs().sum() < 0.03
+    tok, q = hs.draw(logits, [Seq(0, 0.0)], [5])  # greedy rows: argmax, one-hot q
+    assert tok[0] == logits.argmax() and q is None
+
+
+def test_target_without_mtp_layers_is_one_line(tiny_llama):
+    with pytest.raises(ConfigError) as e:
+        LLMEngine(tiny_config(tiny_llama, "mtp", k=2))
+    msg = str(e.value)
+    assert msg.startswith("method.method: mtp needs a target with MTP layers") and "\n" not in msg
