@@ -1,0 +1,178 @@
+"""IBM's MLP speculator (``+method=mlp_speculator method.model=<dir>``): n_predict small
+MLP stages on the target's last hidden state; stage i drafts token i + 1.
+
+Checkpoint (IBM fms-extras / vLLM format): ``config.json`` with ``model_type:
+mlp_speculator``, ``emb_dim`` (= the target's hidden size), ``inner_dim``,
+``n_predict``, ``vocab_size``, ``tie_weights``, ``scale_input``; tensors per stage i:
+``emb.i.weight [V, inner]``, ``proj.i.weight`` ([inner, emb_dim] for i = 0, else
+[inner, inner]), ``head.i.weight [V, inner]``, ``ln.i.weight`` / ``ln.i.bias``.
+With ``tie_weights`` the stages share emb, head and ln (and proj from stage 2 on);
+tensors a checkpoint stores once are read from stage 0 (proj: stage 1).
+
+Stage i (the reference's formula)::
+
+    s = proj_i(state) + emb_i(token) * (emb_weight / state_weight)
+    state = GELU(ln_i(s));  logits_i = head_i(state)
+    state_weight = 0.5 ** (0.5 / n_predict)
+    emb_weight = sqrt((1 - state_weight ** 2) * (inner_dim / 2))
+
+The first state is the target's final-normed hidden state of the last token it ran
+(scaled by ``LayerNorm(no affine) / sqrt(2)`` when ``scale_input``), the first token
+the token just committed after it.  ``ln`` is a LayerNorm with weight and bias (eps
+1e-6); GELU is the exact (erf) one.  K must be <= n_predict.  No KV cache: each
+round is n_predict small matmuls per request.  Drafts: argmax, or sampled with q for
+probabilistic verification (``heads.HeadSampler``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specserve.config import SpeculativeConfig
+from specserve.errors import ConfigError, ModelLoadError
+from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.proposers.heads import HeadSampler, read_tensors
+
+log = logging.getLogger(__name__)
+
+LN_EPS = 1e-6
+
+
+class MLPSpeculator(nn.Module):
+    def __init__(self, emb_dim: int, inner_dim: int, vocab_size: int, n_predict: int, scale_input: bool):
+        super().__init__()
+        self.n_predict = n_predict
+        self.scale_input = scale_input
+        self.emb = nn.ModuleList(nn.Embedding(vocab_size, inner_dim) for _ in range(n_predict))
+        self.proj = nn.ModuleList(
+            nn.Linear(emb_dim if i == 0 else inner_dim, inner_dim, bias=False) for i in range(n_predict)
+        )
+        self.head = nn.ModuleList(nn.Linear(inner_dim, vocab_size, bias=False) for _ in range(n_predict))
+        self.ln = nn.ModuleList(nn.LayerNorm(inner_dim, eps=LN_EPS) for _ in range(n_predict))
+        self.state_weight = 0.5 ** (0.5 / n_predict)
+        self.emb_weight = math.sqrt((1 - self.state_weight**2) * (inner_dim / 2))
+
+    def first_state(self, hidden: Tensor) -> Tensor:
+        if self.scale_input:
+            return F.layer_norm(hidden, hidden.shape[-1:], eps=LN_EPS) / math.sqrt(2)
+        return hidden
+
+    def stage(self, i: int, state: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """-> (the next state, logits (B, V) float32)."""
+        s = self.proj[i](state) + self.emb[i](tokens) * (self.emb_weight / self.state_weight)
+        state = F.gelu(self.ln[i](s))
+        return state, self.head[i](state).float()
+
+
+def load_mlp_speculator(path: str, key: str, target_hidden: int, target_vocab: int) -> MLPSpeculator:
+    d = Path(path).expanduser()
+    cfg_file = d / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{key}: {d} has no config.json (an MLP speculator directory is expected)")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("model_type") != "mlp_speculator":
+        raise ConfigError(key, f"{d} is not an MLP speculator (config.json model_type is {cfg.get('model_type')!r}, "
+                               "expected 'mlp_speculator')")
+    try:
+        emb_dim, inner, n, vocab = (int(cfg[k]) for k in ("emb_dim", "inner_dim", "n_predict", "vocab_size"))
+    except KeyError as e:
+        raise ConfigError(key, f"{d}/config.json lacks {e.args[0]!r}") from None
+    inner = inner or emb_dim  # inner_dim 0 means emb_dim in IBM's code
+    if emb_dim != target_hidden:
+        raise ConfigError(key, f"the speculator's emb_dim {emb_dim} differs from the target's hidden size {target_hidden}")
+    if vocab != target_vocab:
+        raise ConfigError(key, f"the speculator's vocab_size {vocab} differs from the target's {target_vocab}")
+    tie = bool(cfg.get("tie_weights", False))
+    sd = read_tensors(d, lambda k: k.split(".")[0] in ("emb", "proj", "head", "ln"))
+    model = MLPSpeculator(emb_dim, inner, vocab, n, bool(cfg.get("scale_input", False)))
+    weights: dict[str, Tensor] = {}
+    for i in range(n):
+        for name in ("emb.{}.weight", "proj.{}.weight", "head.{}.weight", "ln.{}.weight", "ln.{}.bias"):
+            k = name.format(i)
+            if k not in sd and tie:  # tied stages: emb/head/ln as stage 0, proj as stage 1
+                k = name.format(1 if name.startswith("proj") and i >= 2 else 0)
+            if k not in sd:
+                raise ModelLoadError(f"{key}: the speculator checkpoint lacks {name.format(i)!r}")
+            weights[name.format(i)] = sd[k]
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise ModelLoadError(f"{key}: tensor shapes do not match config.json: {str(e).splitlines()[-1].strip()}") from None
+    return model
+
+
+class MLPSpeculatorProposer:
+    def __init__(self, model: MLPSpeculator, target: Any, k: int, probabilistic: bool, seed: int = 0):
+        self.model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        self.k = k
+        self.device = target.device
+        self.dtype = target.dtype
+        self.aux_layer_ids = (target.arch.num_layers,)  # final-normed hidden state of every row
+        self.sampler = HeadSampler(probabilistic, target.arch.vocab_size, target.device, seed)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest], step: Any = None) -> Proposal:
+        drafts: list[list[int]] = [[] for _ in requests]
+        active = [i for i, r in enumerate(requests) if r.max_drafts > 0 and r.hidden_rows and step is not None]
+        if not active:
+            return Proposal(token_ids=drafts)
+        feats = step.aux[self.aux_layer_ids[0]]
+        last = torch.tensor([requests[i].hidden_rows[-1] for i in active], dtype=torch.int64, device=feats.device)
+        state = self.model.first_state(feats.index_select(0, last).to(device=self.device, dtype=self.dtype))
+        tokens = torch.tensor([requests[i].seq.token_ids[-1] for i in active], dtype=torch.int64, device=self.device)
+        seqs = [requests[i].seq for i in active]
+        want = [min(self.k, requests[i].max_drafts) for i in active]
+        probs = None
+        if self.sampler.needs_q(seqs):
+            probs = torch.zeros(len(requests), max(want), self.sampler.vocab_size, device=self.device)
+        rows = list(range(len(active)))  # positions in `active` still drafting
+        columns: list[tuple[list[int], Tensor]] = []
+        for s in range(max(want)):
+            keep = [n for n, a in enumerate(rows) if want[a] > s]
+            if len(keep) < len(rows):
+                sel = torch.tensor(keep, dtype=torch.int64, device=self.device)
+                state, tokens = state.index_select(0, sel), tokens.index_select(0, sel)
+                rows = [rows[n] for n in keep]
+            state, logits = self.model.stage(s, state, tokens)
+            tokens, q = self.sampler.draw(logits, [seqs[a] for a in rows], [len(seqs[a].token_ids) + s for a in rows])
+            if q is not None:
+                probs[torch.tensor([active[a] for a in rows], device=self.device), s] = q
+            columns.append(([active[a] for a in rows], tokens))
+        for idx, t in columns:  # the only device -> host reads
+            for i, tok in zip(idx, t.tolist()):
+                drafts[i].append(tok)
+        return Proposal(token_ids=drafts, probs=probs)
+
+    def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
+        pass  # stateless between rounds
+
+    def remove(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+
+
+@register("mlp_speculator")
+def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> MLPSpeculatorProposer:
+    path = spec.model or (ctx.draft_model.path if ctx.draft_model is not None else None)
+    key = "method.model" if spec.model else "draft.path"
+    if spec.parallel_drafting:
+        raise ConfigError("method.parallel_drafting", "is not supported by mlp_speculator (its stages are sequential)")
+    target = ctx.target
+    model = load_mlp_speculator(path, key, target.arch.hidden_size, target.arch.vocab_size)
+    if spec.num_speculative_tokens > model.n_predict:
+        raise ConfigError(
+            "method.num_speculative_tokens",
+            f"{spec.num_speculative_tokens} exceeds the MLP speculator's n_predict ({model.n_predict}); use K <= "
+            f"{model.n_predict}",
+        )
+    log.info("mlp_speculator: %d stages, inner_dim %d, K=%d", model.n_predict, model.proj[0].out_features,
+             spec.num_speculative_tokens)
+    return MLPSpeculatorProposer(model, target, spec.num_speculative_tokens,
+                                 spec.rejection_sample_method == "probabilistic", seed=ctx.engine.seed)
