@@ -37,9 +37,12 @@ class DraftModelProposer:
     def __init__(
         self, draft: LoadedModel, k: int, num_blocks: int, block_size: int, cpu_kernel: str = "torch",
         fused_max_tokens: int | None = None, max_num_seqs: int = 32, cuda_graphs: bool = True,
-        max_step_tokens: int = 2048,
+        max_step_tokens: int = 2048, mask_token_id: int | None = None,
     ):
         self.k = k
+        # PARD (parallel drafting): the draft's mask token; all K drafts come from one
+        # forward over [newest token, mask x (K-1)] (None: K sequential steps).
+        self.mask_token_id = mask_token_id
         self.max_step_tokens = max(max_step_tokens, max_num_seqs)  # tokens per draft forward
         self.blocks = BlockManager(num_blocks, block_size)
         kv = KVCache(draft.arch.num_layers, num_blocks, block_size, draft.arch.num_kv_heads,
@@ -74,6 +77,8 @@ class DraftModelProposer:
             active.append(i)
         if not active:
             return Proposal(token_ids=drafts)
+        if self.mask_token_id is not None:
+            return self._propose_parallel(requests, active, inputs, drafts)
         bs = self.runner.kv.block_size
         tokens = self._catch_up(inputs)  # (B,) on the device
         columns = [(active, tokens)]
@@ -101,6 +106,39 @@ class DraftModelProposer:
         for (rows, _), values in zip(columns, host):
             for i, t in zip(rows, values):
                 drafts[i].append(t)
+        return Proposal(token_ids=drafts)
+
+    def _propose_parallel(self, requests, active: list[int], inputs: list[SeqInput], drafts) -> Proposal:
+        """PARD: after the unseen tokens, K-1 mask tokens; the logits at the newest real
+        token and at each mask are drafts 1..K, from ONE forward.  The masks' K/V lie
+        past the committed tokens: the next round overwrites them (the state counts
+        real tokens only)."""
+        mask = self.mask_token_id
+        want = [min(self.k, requests[i].max_drafts) for i in active]
+        seqs = []
+        for s, w in zip(inputs, want):
+            n = len(s.token_ids)
+            seqs.append(SeqInput(s.token_ids + [mask] * (w - 1), s.start_pos, s.block_table, list(range(n - 1, n - 1 + w))))
+        if sum(len(s.token_ids) for s in seqs) <= self.max_step_tokens:
+            out = self.runner.forward(seqs)
+            tokens = out.logits.argmax(dim=-1).tolist()
+            offsets = out.row_offsets
+            for j, i in enumerate(active):
+                drafts[i] = tokens[offsets[j] : offsets[j] + want[j]]
+        else:  # a long catch-up (a new prompt): real tokens in chunks, then the masks
+            first = self._catch_up(inputs).tolist()
+            rest = [(j, SeqInput([mask] * (w - 1), s.start_pos + len(s.token_ids), s.block_table, list(range(w - 1))))
+                    for j, (s, w) in enumerate(zip(inputs, want)) if w > 1]
+            more: dict[int, list[int]] = {}
+            if rest:
+                out = self.runner.forward([s for _, s in rest])
+                tokens = out.logits.argmax(dim=-1).tolist()
+                for n, (j, s) in enumerate(rest):
+                    more[j] = tokens[out.row_offsets[n] : out.row_offsets[n] + len(s.token_ids)]
+            for j, i in enumerate(active):
+                drafts[i] = [first[j]] + more.get(j, [])
+        for j, i in enumerate(active):
+            self.states[requests[i].seq.request_id].num_computed = inputs[j].start_pos + len(inputs[j].token_ids)
         return Proposal(token_ids=drafts)
 
     def _catch_up(self, inputs: list[SeqInput]):
@@ -169,13 +207,18 @@ def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
         draft = current_group().load(path, dtype, max_len, cache_dir, key=key)
     else:  # one device (under TP: rank 0's)
         draft = load_model(path, dtype, ctx.target.device, max_len, cache_dir, key=key)
+    mask = None
     if spec.parallel_drafting:
-        mask = getattr(draft.hf_config, "pard_token", None) or getattr(draft.hf_config, "mask_token_id", None)
+        mask = getattr(draft.hf_config, "pard_token", None)
+        if mask is None:
+            mask = getattr(draft.hf_config, "mask_token_id", None)
         if mask is None:
             raise ConfigError(
                 "method.parallel_drafting", "needs a draft whose config.json has pard_token (the mask token id)"
             )
-        raise ConfigError("method.parallel_drafting", "PARD-style parallel drafting is not implemented in this build yet")
+        if not isinstance(mask, int) or not 0 <= mask < draft.arch.vocab_size:
+            raise ConfigError("method.parallel_drafting", f"the draft's pard_token {mask!r} is not a token id "
+                                                          f"in [0, {draft.arch.vocab_size})")
     if draft.arch.vocab_size != ctx.target.arch.vocab_size:
         raise ConfigError(
             key,
@@ -186,5 +229,5 @@ def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
         draft, spec.num_speculative_tokens, ctx.num_kv_blocks, ctx.engine.block_size,
         cpu_kernel=ctx.engine.cpu_kernel, fused_max_tokens=ctx.engine.cpu_fused_max_tokens,
         max_num_seqs=ctx.engine.max_num_seqs, cuda_graphs=ctx.engine.cuda_graphs != "off",
-        max_step_tokens=ctx.engine.max_num_batched_tokens,
+        max_step_tokens=ctx.engine.max_num_batched_tokens, mask_token_id=mask,
     )
