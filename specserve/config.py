@@ -30,7 +30,9 @@ METHODS = (
 )
 # Methods whose proposer exists in this build; the others are valid names that
 # a later release implements, and selecting them fails early with a clear line.
-IMPLEMENTED_METHODS = ("ngram", "draft_model", "suffix", "eagle", "eagle3", "layer_skip", "mtp", "mlp_speculator")
+IMPLEMENTED_METHODS = (
+    "ngram", "draft_model", "suffix", "eagle", "eagle3", "layer_skip", "mtp", "mlp_speculator", "dflash",
+)
 METHODS_WITHOUT_MODEL = ("ngram", "suffix", "mtp", "layer_skip")
 REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
