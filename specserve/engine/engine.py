@@ -98,7 +98,8 @@ def _num_blocks(cfg: Config, target: LoadedModel, graph_tokens: int, extra_layer
     from specserve.executor.static_runner import cuda_kv_budget_bytes
 
     budget = cuda_kv_budget_bytes(target, e.max_num_batched_tokens, e.block_size, e.gpu_memory_utilization, graph_tokens)
-    blocks = budget // per_block
+    # A draft model keeps a cache of the same block count: its bytes share the budget.
+    blocks = budget // (per_block + _draft_bytes_per_block(cfg, target))
     if blocks < 1:
         raise ConfigError(
             "engine.gpu_memory_utilization",
@@ -108,6 +109,25 @@ def _num_blocks(cfg: Config, target: LoadedModel, graph_tokens: int, extra_layer
     log.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%s", blocks, blocks * per_block / (1 << 30),
              e.gpu_memory_utilization)
     return blocks
+
+
+def _draft_bytes_per_block(cfg: Config, target: LoadedModel) -> int:
+    """KV bytes per block of a draft model's own cache (draft_model method), else 0.
+    Read from the draft's config.json, before the draft is loaded."""
+    spec = cfg.method
+    if spec is None or spec.method != "draft_model":
+        return 0
+    path = spec.model or (cfg.draft.path if cfg.draft is not None else None)
+    if not path:
+        return 0
+    from transformers import AutoConfig
+
+    from specserve.executor.loader import resolve_hf_dir
+    from specserve.executor.models.llama import ArchConfig
+
+    d = ArchConfig.from_hf(AutoConfig.from_pretrained(str(resolve_hf_dir(path, cfg.model.cache_dir)),
+                                                      local_files_only=True))
+    return KVCache.bytes_per_block(d.num_layers, cfg.engine.block_size, d.num_kv_heads, d.head_dim, target.dtype)
 
 
 def draft_sizes(k: int) -> tuple[int, ...]:
