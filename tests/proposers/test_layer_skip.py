@@ -124,3 +124,37 @@ def test_skip_ratio_of_one_is_refused(tiny_llama):
     with pytest.raises(ConfigError, match="method.skip_calibration_tokens"):
         tiny_config(tiny_llama, "layer_skip", k=3, skip_calibration_tokens=2)
     validate_config(tiny_config(tiny_llama, "layer_skip", k=3))
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_greedy_equals_plain_decoding(caplog):
+    """The real embedded model in float32: calibrated layer skipping is lossless."""
+    import torch
+
+    from specserve.config import Config, ModelConfig, SpeculativeConfig
+    from specserve.request import SamplingParams
+
+    target = load_model("embedded:smollm2-135m-instruct", "float32", torch.device("cpu"))
+
+    def engine(method):
+        cfg = Config(model=ModelConfig(dtype="float32"))
+        cfg.engine.num_kv_blocks = 64
+        cfg.engine.num_prediction_tokens = 0
+        if method:
+            cfg.method = SpeculativeConfig(method=method, num_speculative_tokens=3, skip_ratio=0.5,
+                                           skip_calibration_tokens=48)
+        return LLMEngine(validate_config(cfg), target=target)
+
+    plain = engine(None)
+    tok = plain.tokenizer
+    texts = ["Write a short poem about the sea.", "Explain what a hash table is in two sentences."]
+    ids = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    params = [SamplingParams(temperature=0.0, max_tokens=32) for _ in ids]
+    ref = [o.token_ids for o in plain.generate(ids, params)]
+    eng = engine("layer_skip")
+    with caplog.at_level(logging.INFO, logger="specserve.proposers.layer_skip"):
+        outs = eng.generate(ids, params)
+    assert [o.token_ids for o in outs] == ref
+    assert len(eng.proposer.skip_layers) == 15
+    assert sum(o.spec.num_accepted_tokens for o in outs) > 0
+    assert any("skipping 15 of 30 layers" in r.getMessage() for r in caplog.records)

@@ -278,3 +278,27 @@ def test_draftless_step_samples_what_the_full_step_would(method):
     )
     assert fast == [(row[: row[-1] + 1], row[-1]) for row in full.tolist()]
     assert sampler.uniforms_per_step == 2 * K + 1
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_code_edit_is_lossless_and_mostly_predicted():
+    """The real embedded model in float32, a small code edit with the original as the
+    prediction: the same output as without it, most of it from the prediction."""
+    import torch
+
+    from specserve.config import Config, ModelConfig
+    from specserve.executor.loader import load_model
+
+    target = load_model("embedded:smollm2-135m-instruct", "float32", torch.device("cpu"))
+    cfg = validate_config(Config(model=ModelConfig(dtype="float32")))
+    cfg.engine.num_kv_blocks = 64
+    eng = LLMEngine(cfg, target=target)
+    tok = eng.tokenizer
+    code = ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+            "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n")
+    ids = tok.apply_chat_template([{"role": "user", "content": f"```python\n{code}```\n\nRename `items` to `data`."}])
+    plain = eng.generate([ids], [SamplingParams(temperature=0.0, max_tokens=80)])[0]
+    pred = eng.generate([ids], [SamplingParams(temperature=0.0, max_tokens=80,
+                                               prediction_token_ids=tok.encode(code, add_special_tokens=False))])[0]
+    assert pred.token_ids == plain.token_ids
+    assert pred.spec.num_accepted_prediction_tokens > len(pred.token_ids) // 3
