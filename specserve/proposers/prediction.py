@@ -179,7 +179,11 @@ def one_hot_rows(probs: Any, tokens: list[list[int]], rows: list[bool]) -> Any:
     (a prediction is a deterministic draft)."""
     import torch
 
-    probs = probs.clone()
+    width = max([probs.shape[1]] + [len(t) for use, t in zip(rows, tokens) if use])
+    if width > probs.shape[1]:  # a prediction drafts more than the method did this round
+        probs = torch.cat([probs, probs.new_zeros(probs.shape[0], width - probs.shape[1], probs.shape[2])], dim=1)
+    else:
+        probs = probs.clone()
     for b, (use, toks) in enumerate(zip(rows, tokens)):
         if use:
             probs[b].zero_()

@@ -133,3 +133,22 @@ def test_bad_combinations_are_one_line(tiny_llama, speculators, tmp_path):
     wrong = make_speculator(tmp_path / "wide", emb_dim=32)
     with pytest.raises(ConfigError, match="emb_dim 32 differs from the target's hidden size 64"):
         LLMEngine(tiny_config(tiny_llama, "mlp_speculator", k=2, draft_dir=wrong))
+
+
+def test_predictions_compose_with_sampled_drafts(tiny_llama, speculators, prompts, plain):
+    """Predicted Outputs next to a method whose drafts carry q (probabilistic): requests
+    with a prediction draft from it (one-hot q), the others from the speculator."""
+    cfg = tiny_config(tiny_llama, "mlp_speculator", k=3, draft_dir=speculators["untied"],
+                      rejection_sample_method="probabilistic")
+    eng = LLMEngine(cfg)
+    params = []
+    for i, ref in enumerate(plain):
+        pred = ref[:6] + [400, 401] + ref[6:] if i % 2 else None
+        params.append(greedy(MAX_TOKENS, prediction_token_ids=pred) if i < 3 else
+                      SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, seed=i, ignore_eos=True,
+                                     prediction_token_ids=pred))
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs[:3]] == plain[:3]
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    assert outs[1].spec.num_accepted_prediction_tokens > 0
+    assert eng.blocks.num_free == eng.blocks.num_blocks

@@ -302,3 +302,18 @@ def test_embedded_smollm2_code_edit_is_lossless_and_mostly_predicted():
                                                prediction_token_ids=tok.encode(code, add_special_tokens=False))])[0]
     assert pred.token_ids == plain.token_ids
     assert pred.spec.num_accepted_prediction_tokens > len(pred.token_ids) // 3
+
+
+def test_prediction_rows_of_a_method_with_draft_distributions_are_one_hot():
+    """Composed with a method that returns q, a request drafting from its prediction
+    gets one-hot rows, widened when its prediction drafts more than the method did."""
+    import torch
+
+    from specserve.proposers.prediction import one_hot_rows
+
+    probs = torch.full((3, 2, 5), 0.2)
+    out = one_hot_rows(probs, [[1, 2], [4, 0, 3], [2]], [False, True, False])
+    assert out.shape == (3, 3, 5)
+    assert torch.equal(out[0, :2], probs[0]) and torch.equal(out[2, :2], probs[2])
+    assert torch.equal(out[1], torch.eye(5)[[4, 0, 3]])
+    assert torch.equal(probs, torch.full((3, 2, 5), 0.2))  # the method's tensor is left alone
