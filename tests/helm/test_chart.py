@@ -27,7 +27,7 @@ except ImportError:  # only tolerated where the whole module is skipped (see con
 CI_FILES = ("cpu-values.yaml", "gpu-eagle3-values.yaml", "tp-values.yaml")
 # (values file or None for the defaults, tensor-parallel size)
 CASES = [(None, 0), ("cpu-values.yaml", 0), ("gpu-eagle3-values.yaml", 1), ("tp-values.yaml", 2)]
-METHODS = ["ngram", "draft_model", "suffix", "eagle", "eagle3", "mtp", "mlp_speculator", "dflash"]
+METHODS = ["ngram", "draft_model", "suffix", "eagle", "eagle3", "mtp", "mlp_speculator", "dflash", "layer_skip"]
 GPU = "nvidia.com/gpu"
 
 
