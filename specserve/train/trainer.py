@@ -66,8 +66,15 @@ def draft_vocabulary(convs: list[tuple[Tensor, int, Tensor]], vocab_size: int, s
 
 # ---------------------------------------------------------------- head
 
+def feature_rms(convs, hidden: int, sample: int = 64) -> float:
+    """Median RMS of the high layer's features (position 0, the attention sink with its
+    huge activations, left out)."""
+    rms = [c[2][1:, 2 * hidden : 3 * hidden].float().pow(2).mean(-1).sqrt() for c in convs[:sample]]
+    return float(torch.cat(rms).median()) if rms else 1.0
+
+
 def new_head(target: LoadedModel, cfg: TrainConfig, layer_ids: tuple[int, ...], vocab: Tensor | None,
-             device: torch.device) -> EagleHead:
+             device: torch.device, feat_rms: float = 1.0) -> EagleHead:
     a = target.arch
     c = HeadConfig(
         kind="eagle3", hidden_size=a.hidden_size, intermediate_size=cfg.head.intermediate_size or a.intermediate_size,
@@ -83,10 +90,12 @@ def new_head(target: LoadedModel, cfg: TrainConfig, layer_ids: tuple[int, ...], 
             nn.init.normal_(lin.weight, std=0.02)
         if cfg.head.init == "target":
             # Start as "the target's own prediction at this position": fc passes the high
-            # layer's stream through, the layer adds little, and norm + LM head are the target's.
+            # layer's stream through, scaled to unit RMS (the final norm ignores the scale,
+            # and the layer's own contributions are not drowned by the raw stream's
+            # magnitude), and the final norm and LM head are the target's.
             H = c.hidden_size
             head.fc.weight.zero_()
-            head.fc.weight[:, 2 * H :] = torch.eye(H)
+            head.fc.weight[:, 2 * H :] = torch.eye(H) / max(feat_rms, 1e-6)
             head.lm_head.weight.copy_(target_lm_rows(target, vocab))
             head.norm.weight.copy_(target.model.norm.weight.float())
     head = head.to(device)
@@ -184,7 +193,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
              "all" if vocab is None else vocab.numel(), 100 * coverage)
 
     # 3. training
-    head = new_head(target, cfg, layer_ids, vocab, device)
+    head = new_head(target, cfg, layer_ids, vocab, device, feature_rms(convs, target.arch.hidden_size))
     head.train()
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
