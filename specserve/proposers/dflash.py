@@ -44,7 +44,7 @@ from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.llama import ArchConfig, RMSNorm, Rotary, apply_rotary
 from specserve.kv_blocks import BlockManager
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
-from specserve.proposers.heads import HeadSampler, fuse_layer, read_tensors
+from specserve.proposers.heads import DraftColumns, HeadSampler, fuse_layer, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -249,21 +249,11 @@ class DFlashProposer:
         h = d.norm(x).view(B, n, -1)
         want = [min(self.k, requests[i].max_drafts, n - 1) for i, _ in drafting]
         logits = self.target.model.compute_logits(h[:, 1:].reshape(B * (n - 1), -1)).view(B, n - 1, -1)
-        probs = None
-        if self.sampler.needs_q(seqs):
-            probs = torch.zeros(len(requests), max(want), self.sampler.vocab_size, device=self.device)
-        cols = []
+        out = DraftColumns(self.sampler, len(requests), [i for i, _ in drafting], seqs, want)
         for j in range(max(want)):
             live = [b for b in range(B) if want[b] > j]
-            toks, q = self.sampler.draw(logits[live, j], [seqs[b] for b in live],
-                                        [len(seqs[b].token_ids) + j for b in live])
-            if q is not None:
-                probs[torch.tensor([drafting[b][0] for b in live], device=self.device), j] = q
-            cols.append(([drafting[b][0] for b in live], toks))
-        for idx, t in cols:  # the only device -> host reads
-            for i, tok in zip(idx, t.tolist()):
-                drafts[i].append(tok)
-        return Proposal(token_ids=drafts, probs=probs)
+            out.draw(logits[live, j], live, j)
+        return out.proposal(drafts)
 
     def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         """Nothing to roll back: context K/V are written for committed positions only."""

@@ -42,12 +42,12 @@ from torch import Tensor
 
 from specserve.config import SpeculativeConfig
 from specserve.errors import ConfigError
-from specserve.executor.attention import AttentionMetadata, CausalGroup, build_padded_group
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.eagle_loader import build_head, check_against_target, read_head
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.eagle import EagleHead
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.proposers.heads import head_metadata, narrow, read_columns, step_metadata
 from specserve.request import GREEDY_EPS
 from specserve.sampling.philox import philox_uniforms, random_seed, seed_to_int64
 from specserve.sampling.processors import SamplingTensors, logits_to_probs, sample_from_probs
@@ -63,29 +63,6 @@ DRAFT_STREAM_SALT = 0x9E3779B97F4A7C15
 class _HeadState:
     num_fed: int = 0  # target positions whose features the head has consumed (its real rows end here)
     seed: int | None = None  # int64 Philox key of the request's draft stream
-
-
-def head_metadata(batch: StepBatch, block_size: int, device: torch.device) -> tuple[AttentionMetadata, Tensor]:
-    """Attention metadata and positions (T,) for a head step over ``batch``: fresh
-    sequences (whole context new) attend causally among themselves, the rest read
-    their cached positions through a padded group."""
-    causal: list[CausalGroup] = []
-    starts, lens, ctx, tables = [], [], [], []
-    qs = batch.query_start
-    for b, n_ctx in enumerate(batch.seq_lens):
-        s, n = qs[b], qs[b + 1] - qs[b]
-        if n_ctx == n and n >= 2:
-            causal.append(CausalGroup(start=s, length=n))
-        else:
-            starts.append(s)
-            lens.append(n)
-            ctx.append(n_ctx)
-            tables.append(batch.block_tables[b])
-    padded = build_padded_group(starts, lens, ctx, tables, block_size, None, device) if lens else None
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device), causal=causal, padded=padded
-    )
-    return meta, torch.tensor(batch.positions, dtype=torch.int64, device=device)
 
 
 class EagleProposer:
@@ -142,8 +119,7 @@ class EagleProposer:
         feats = torch.cat([step.aux[l].index_select(0, idx) for l in self.aux_layer_ids], dim=-1)
         hidden = self.head.project(feats.to(device=self.device, dtype=self.dtype))  # (T, H)
         batch = StepBatch.from_inputs(inputs, self.block_size)
-        meta, pos = head_metadata(batch, self.block_size, self.device)
-        ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
+        meta, ids, pos = step_metadata(batch, self.block_size, self.device)
         out = self.head(ids, hidden, pos, meta, self.kv)  # (T, H): writes the head's K/V of the real rows
         if not drafting:
             return Proposal(token_ids=drafts)
@@ -159,6 +135,7 @@ class EagleProposer:
             probs = torch.zeros(len(requests), max(w for _, w, _, _ in drafting), self.vocab_size,
                                 device=self.device)
         active = list(range(len(drafting)))  # indices into drafting
+        want = [w for _, w, _, _ in drafting]
         columns: list[tuple[list[int], Tensor]] = []
         step = 1
         while True:
@@ -168,21 +145,15 @@ class EagleProposer:
             else:
                 tokens = self._sample(logits, sampler, active, drafting, requests, step, probs)
             columns.append(([drafting[a][0] for a in active], tokens))
-            keep = [n for n, a in enumerate(active) if drafting[a][1] > step]
-            if not keep:
+            active, (tokens, hidden) = narrow(active, want, step, tokens, hidden)
+            if not active:
                 break
-            if len(keep) < len(active):
-                sel = torch.tensor(keep, dtype=torch.int64, device=self.device)
-                tokens, hidden = tokens.index_select(0, sel), hidden.index_select(0, sel)
-                active = [active[n] for n in keep]
             seqs = [SeqInput([0], drafting[a][2] + step, drafting[a][3], [0]) for a in active]
             batch = StepBatch.from_inputs(seqs, self.block_size)
             meta, pos = head_metadata(batch, self.block_size, self.device)
             hidden = self.head(tokens, hidden, pos, meta, self.kv)  # (B', H): the head's own state
             step += 1
-        for rows, t in columns:  # the loop's only device -> host reads
-            for i, tok in zip(rows, t.tolist()):
-                drafts[i].append(tok)
+        read_columns(drafts, columns)
         return Proposal(token_ids=drafts, probs=probs)
 
     def _sampling(self, requests, drafting) -> tuple[SamplingTensors, Tensor] | None:

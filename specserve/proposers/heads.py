@@ -1,7 +1,8 @@
 """What the proposers with their own small networks share (MTP layers, the MLP
 speculator, the DFlash block): attention metadata for their paged KV caches, reading
-a few tensors of a checkpoint, fusing one decoder layer's weights, and turning
-their logits into draft tokens (``HeadSampler``).
+a few tensors of a checkpoint, fusing one decoder layer's weights, turning their
+logits into draft tokens (``HeadSampler``) and a round's drafts into a proposal
+(``DraftColumns``, ``narrow``).
 
 Drafts and draft distributions (``HeadSampler``):
 
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from specserve.executor.attention import AttentionMetadata, CausalGroup, build_padded_group
 from specserve.executor.batch import StepBatch
-
+from specserve.proposers.base import Proposal
 from specserve.request import GREEDY_EPS
 from specserve.sampling.philox import philox_uniforms, random_seed, seed_to_int64
 from specserve.sampling.processors import SamplingTensors, logits_to_probs, sample_from_probs
@@ -73,11 +74,59 @@ class HeadSampler:
         return sample_from_probs(q, u), q
 
 
-def step_metadata(batch: StepBatch, block_size: int, device: torch.device,
-                  window: int | None = None) -> tuple[AttentionMetadata, Tensor, Tensor]:
-    """(attention metadata, token ids (T,), positions (T,)) for a forward of a head over
-    ``batch`` in its own paged cache: fresh sequences attend causally among their new
-    tokens; the others read their cached positions through a padded group."""
+class DraftColumns:
+    """One round's drafts, drawn a column (one draft per drafting request) at a time by
+    ``sampler``; the tokens stay on the device until ``proposal`` reads them all.
+    ``index[a]``, ``seqs[a]``, ``want[a]``: drafter a's request index (its row of the
+    proposal), sequence and number of drafts."""
+
+    def __init__(self, sampler: HeadSampler, num_requests: int, index: list[int], seqs: list, want: list[int]):
+        self.sampler, self.index, self.seqs = sampler, index, seqs
+        self.probs = None  # (num_requests, max(want), V) draft distributions when some request samples
+        if sampler.needs_q(seqs):
+            self.probs = torch.zeros(num_requests, max(want), sampler.vocab_size, device=sampler.device)
+        self.columns: list[tuple[list[int], Tensor]] = []
+
+    def draw(self, logits: Tensor, live: list[int], col: int) -> Tensor:
+        """Column ``col`` (0-based) of the drafters ``live`` from their logits (len(live), V)."""
+        seqs = [self.seqs[a] for a in live]
+        tokens, q = self.sampler.draw(logits, seqs, [len(s.token_ids) + col for s in seqs])
+        rows = [self.index[a] for a in live]
+        if q is not None:
+            self.probs[torch.tensor(rows, device=self.sampler.device), col] = q
+        self.columns.append((rows, tokens))
+        return tokens
+
+    def proposal(self, drafts: list[list[int]]) -> Proposal:
+        read_columns(drafts, self.columns)
+        return Proposal(token_ids=drafts, probs=self.probs)
+
+
+def read_columns(drafts: list[list[int]], columns: list[tuple[list[int], Tensor]]) -> None:
+    """Append each column's tokens to the drafts of its rows: the round's only device -> host reads."""
+    for rows, t in columns:
+        for i, tok in zip(rows, t.tolist()):
+            drafts[i].append(tok)
+
+
+def narrow(active: list[int], want: list[int], step: int, *tensors: Tensor) -> tuple[list[int], tuple[Tensor, ...]]:
+    """The drafters of ``active`` that want more than ``step`` drafts, and ``tensors``
+    (one row per drafter of ``active``) cut to their rows; ([], tensors) when none does."""
+    keep = [n for n, a in enumerate(active) if want[a] > step]
+    if not keep:
+        return [], tensors
+    if len(keep) < len(active):
+        sel = torch.tensor(keep, dtype=torch.int64, device=tensors[0].device)
+        tensors = tuple(t.index_select(0, sel) for t in tensors)
+        active = [active[n] for n in keep]
+    return active, tensors
+
+
+def head_metadata(batch: StepBatch, block_size: int, device: torch.device,
+                  window: int | None = None) -> tuple[AttentionMetadata, Tensor]:
+    """(attention metadata, positions (T,)) for a forward of a head over ``batch`` in its
+    own paged cache: fresh sequences attend causally among their new tokens; the others
+    read their cached positions through a padded group."""
     causal: list[CausalGroup] = []
     starts, lens, ctx, tables = [], [], [], []
     qs = batch.query_start
@@ -93,8 +142,14 @@ def step_metadata(batch: StepBatch, block_size: int, device: torch.device,
     padded = build_padded_group(starts, lens, ctx, tables, block_size, window, device) if lens else None
     meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
                              causal=causal, padded=padded)
-    ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=device)
-    return meta, ids, torch.tensor(batch.positions, dtype=torch.int64, device=device)
+    return meta, torch.tensor(batch.positions, dtype=torch.int64, device=device)
+
+
+def step_metadata(batch: StepBatch, block_size: int, device: torch.device,
+                  window: int | None = None) -> tuple[AttentionMetadata, Tensor, Tensor]:
+    """``head_metadata`` with the token ids (T,): (metadata, ids, positions)."""
+    meta, pos = head_metadata(batch, block_size, device, window)
+    return meta, torch.tensor(batch.token_ids, dtype=torch.int64, device=device), pos
 
 
 def read_tensors(hf_dir: Path, wanted) -> dict[str, Tensor]:

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from specserve.config import SpeculativeConfig
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
-from specserve.proposers.heads import HeadSampler, read_tensors
+from specserve.proposers.heads import DraftColumns, HeadSampler, narrow, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -128,28 +128,14 @@ class MLPSpeculatorProposer:
         last = torch.tensor([requests[i].hidden_rows[-1] for i in active], dtype=torch.int64, device=feats.device)
         state = self.model.first_state(feats.index_select(0, last).to(device=self.device, dtype=self.dtype))
         tokens = torch.tensor([requests[i].seq.token_ids[-1] for i in active], dtype=torch.int64, device=self.device)
-        seqs = [requests[i].seq for i in active]
         want = [min(self.k, requests[i].max_drafts) for i in active]
-        probs = None
-        if self.sampler.needs_q(seqs):
-            probs = torch.zeros(len(requests), max(want), self.sampler.vocab_size, device=self.device)
+        out = DraftColumns(self.sampler, len(requests), active, [requests[i].seq for i in active], want)
         rows = list(range(len(active)))  # positions in `active` still drafting
-        columns: list[tuple[list[int], Tensor]] = []
         for s in range(max(want)):
-            keep = [n for n, a in enumerate(rows) if want[a] > s]
-            if len(keep) < len(rows):
-                sel = torch.tensor(keep, dtype=torch.int64, device=self.device)
-                state, tokens = state.index_select(0, sel), tokens.index_select(0, sel)
-                rows = [rows[n] for n in keep]
+            rows, (state, tokens) = narrow(rows, want, s, state, tokens)
             state, logits = self.model.stage(s, state, tokens)
-            tokens, q = self.sampler.draw(logits, [seqs[a] for a in rows], [len(seqs[a].token_ids) + s for a in rows])
-            if q is not None:
-                probs[torch.tensor([active[a] for a in rows], device=self.device), s] = q
-            columns.append(([active[a] for a in rows], tokens))
-        for idx, t in columns:  # the only device -> host reads
-            for i, tok in zip(idx, t.tolist()):
-                drafts[i].append(tok)
-        return Proposal(token_ids=drafts, probs=probs)
+            tokens = out.draw(logits, rows, s)
+        return out.proposal(drafts)
 
     def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         pass  # stateless between rounds

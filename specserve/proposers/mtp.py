@@ -53,7 +53,7 @@ from specserve.executor.loader import LoadedModel
 from specserve.executor.models.llama import DecoderLayer, RMSNorm
 from specserve.kv_blocks import BlockManager
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
-from specserve.proposers.heads import HeadSampler, fuse_layer, read_tensors, step_metadata
+from specserve.proposers.heads import DraftColumns, HeadSampler, fuse_layer, narrow, read_tensors, step_metadata
 
 log = logging.getLogger(__name__)
 
@@ -219,36 +219,22 @@ class MTPProposer:
         return self._draft(requests, drafting, nxt, y, drafts)
 
     def _draft(self, requests, drafting, h: Tensor, y: Tensor, drafts: list[list[int]]) -> Proposal:
-        seqs = [requests[i].seq for i, _, _ in drafting]
         want = [min(self.k, requests[i].max_drafts) for i, _, _ in drafting]
-        probs = None
-        if self.sampler.needs_q(seqs):
-            probs = torch.zeros(len(requests), max(want), self.target.arch.vocab_size, device=self.device)
+        out = DraftColumns(self.sampler, len(requests), [i for i, _, _ in drafting],
+                           [requests[i].seq for i, _, _ in drafting], want)
         active = list(range(len(drafting)))
-        columns: list[tuple[list[int], Tensor]] = []
         s = 1
         while True:
             logits = self._logits(self.layers[min(s - 1, len(self.layers) - 1)], y)
-            tokens, q = self.sampler.draw(logits, [seqs[a] for a in active],
-                                          [len(seqs[a].token_ids) + s - 1 for a in active])
-            if q is not None:
-                probs[torch.tensor([drafting[a][0] for a in active], device=self.device), s - 1] = q
-            columns.append(([drafting[a][0] for a in active], tokens))
-            keep = [n for n, a in enumerate(active) if want[a] > s]
-            if not keep:
+            tokens = out.draw(logits, active, s - 1)
+            active, (tokens, h) = narrow(active, want, s, tokens, h)
+            if not active:
                 break
-            if len(keep) < len(active):
-                sel = torch.tensor(keep, dtype=torch.int64, device=self.device)
-                tokens, h = tokens.index_select(0, sel), h.index_select(0, sel)
-                active = [active[n] for n in keep]
             j = min(s, len(self.layers) - 1)
             step_in = [SeqInput([0], drafting[a][1] + s, drafting[a][2].block_table, [0]) for a in active]
             h, y = self._run(j, step_in, h, ids=tokens)
             s += 1
-        for rows, t in columns:  # the loop's only device -> host reads
-            for i, tok in zip(rows, t.tolist()):
-                drafts[i].append(tok)
-        return Proposal(token_ids=drafts, probs=probs)
+        return out.proposal(drafts)
 
     def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         """Nothing to roll back: the next round rewrites every position after the committed ones."""
