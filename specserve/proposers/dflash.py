@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from specserve.config import SpeculativeConfig
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.executor.kv_cache import KVCache
-from specserve.executor.models.llama import ArchConfig, RMSNorm, Rotary, apply_rotary
+from specserve.executor.models.llama import ArchConfig, DecoderLayer, RMSNorm, Rotary, apply_rotary
 from specserve.kv_blocks import BlockManager
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
 from specserve.proposers.heads import DraftColumns, HeadSampler, fuse_layer, read_tensors
@@ -49,22 +49,11 @@ from specserve.proposers.heads import DraftColumns, HeadSampler, fuse_layer, rea
 log = logging.getLogger(__name__)
 
 
-class DFlashLayer(nn.Module):
-    """A Qwen3 decoder layer whose attention reads context K/V plus the block's own."""
+class DFlashLayer(DecoderLayer):
+    """A Qwen3 decoder layer (q/k norms always) whose attention reads context K/V plus the block's own."""
 
     def __init__(self, a: ArchConfig):
-        super().__init__()
-        self.a = a
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.q_size, self.kv_size = q, kv
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.qkv_proj = nn.Linear(a.hidden_size, q + 2 * kv, bias=a.attention_bias)
-        self.o_proj = nn.Linear(q, a.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
-        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
-        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+        super().__init__(dataclasses.replace(a, qk_norm=True), 0)  # no layer of a KV cache: layer id unused
 
     def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """K (normed, rotated) and V of x (T, H): (T, kv_heads, hd) each."""
