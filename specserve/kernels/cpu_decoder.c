@@ -15,6 +15,12 @@
  *
  * Built by specserve/kernels/cpu_decoder.py with gcc; the same OpenMP runtime
  * as torch's is used (libgomp is already loaded by torch).
+ *
+ * Two builds of this one source, chosen at compile time by the -m flags:
+ * AVX512-BF16 (+ AMX) when __AVX512BF16__ is defined, else AVX2 + FMA (+ F16C),
+ * where bf16 values are widened to fp32 (a shift) and multiplied with fp32 FMA.
+ * The AVX2 build has no AMX: ss_amx_init reports it unavailable and packed
+ * weights are ignored.  Both keep the batch invariance above.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -24,6 +30,14 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#if defined(__AVX512BF16__)
+#define SS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SS_AVX2 1
+#else
+#error "cpu_decoder.c needs -mavx512bf16 (AVX512 build) or -mavx2 -mfma (AVX2 build)"
+#endif
 
 typedef uint16_t bf16;
 
@@ -60,6 +74,7 @@ typedef struct {
 
 /* ------------------------------------------------------------------ helpers */
 
+#ifdef SS_AVX512
 static inline __m512 load_bf16x16(const bf16 *p) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
@@ -69,6 +84,7 @@ static inline __m512 load_bf16x16_mask(const bf16 *p, __mmask16 m) {
     __m256i v = _mm256_maskz_loadu_epi16(m, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
+#endif
 
 static inline float bf16_to_f32(bf16 h) {
     uint32_t u = (uint32_t)h << 16;
@@ -90,6 +106,7 @@ static void f32_row_to_bf16(const float *src, bf16 *dst, int n) {
     for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
 }
 
+#ifdef SS_AVX512
 static inline __m512 exp512(__m512 x) {
     /* exp(x) = 2^n * exp(g), n = round(x log2 e), |g| <= ln2/2; Taylor to g^6
        (relative error ~1e-7). */
@@ -116,6 +133,68 @@ static float exp_scalar(float x) {
     _mm512_storeu_ps(out, exp512(_mm512_loadu_ps(buf)));
     return out[0];
 }
+#else /* SS_AVX2 */
+
+/* 8 bf16 -> 8 fp32 (a bf16 is the top half of an fp32). */
+static inline __m256 load_bf16x8(const bf16 *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+/* 8 fp32 -> 8 bf16, round to nearest even with quiet NaNs, as f32_to_bf16. */
+static inline __m128i cvt_f32x8_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v), top = _mm256_srli_epi32(u, 16);
+    const __m256i odd = _mm256_and_si256(top, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+    /* 32 -> 16 bits: packus works within 128-bit lanes, so gather 64-bit parts 0 and 2 */
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    return _mm256_castsi256_si128(p);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 exp256(__m256 x) {
+    /* as exp512: exp(x) = 2^n * exp(g), the 2^n built in the exponent field
+       (n stays within [-126, 127] after the clamp) */
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 g = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    g = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), g);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static float exp_scalar(float x) {
+    float buf[8] = {0};
+    buf[0] = x;
+    float out[8];
+    _mm256_storeu_ps(out, exp256(_mm256_loadu_ps(buf)));
+    return out[0];
+}
+#endif
 
 /* --------------------------------------------------------------------- GEMV */
 
@@ -123,6 +202,7 @@ static float exp_scalar(float x) {
 #define PREFETCH 4096
 #endif
 
+#ifdef SS_AVX512
 /* r[i][m] = dot(w_i, x_m) over K for 4 weight rows and MB input rows. */
 static inline __attribute__((always_inline)) void dot_block(
     const int MB, const bf16 *restrict x, long ldx, const bf16 *w0, const bf16 *w1, const bf16 *w2,
@@ -197,6 +277,110 @@ static void gemv(const bf16 *x, int M, long ldx, const bf16 *W, int N, int K, co
     }
 }
 
+#else /* SS_AVX2 */
+
+/* The GEMV reads 16 bf16 weights with one 256-bit load: each 32-bit lane j
+   holds columns 2j (low half) and 2j + 1 (high half), so a shift gives the
+   even columns and a mask the odd ones as fp32, with no cross-lane shuffle.
+   The inputs are widened once per call to match: each block of 16 columns is
+   stored as its 8 even then its 8 odd columns, fp32, zero padded to Kp. */
+static void split_x(const bf16 *x, int M, long ldx, int K, long Kp, float *xs) {
+    for (int m = 0; m < M; m++)
+        for (long k0 = 0; k0 < Kp; k0 += 16)
+            for (int j = 0; j < 8; j++) {
+                const long ke = k0 + 2 * j, ko = ke + 1;
+                xs[m * Kp + k0 + j] = ke < K ? bf16_to_f32(x[m * ldx + ke]) : 0.0f;
+                xs[m * Kp + k0 + 8 + j] = ko < K ? bf16_to_f32(x[m * ldx + ko]) : 0.0f;
+            }
+}
+
+/* r[i][m] = dot(w_i, x_m) for NR weight rows and MB input rows.  Every (i, m)
+   has one accumulator that takes, per 16 columns in order, the even FMA then
+   the odd one (the last partial block from a zero-padded copy), and ends in
+   hsum8: the same operations for any NR, MB or M. */
+static inline __attribute__((always_inline)) void dot_block(const int NR, const int MB, const float *restrict xs,
+                                                            long Kp, const bf16 *const *w, int K, float r[8][2]) {
+    __m256 acc[8][2];
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int i = 0; i < NR; i++)
+        for (int m = 0; m < MB; m++) acc[i][m] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        if (!(k & 31))
+            for (int i = 0; i < NR; i++) _mm_prefetch((const char *)(w[i] + k) + PREFETCH, _MM_HINT_T0);
+        __m256 xe[2], xo[2];
+        for (int m = 0; m < MB; m++) {
+            xe[m] = _mm256_loadu_ps(xs + m * Kp + k);
+            xo[m] = _mm256_loadu_ps(xs + m * Kp + k + 8);
+        }
+        for (int i = 0; i < NR; i++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w[i] + k));
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+            for (int m = 0; m < MB; m++) {
+                acc[i][m] = _mm256_fmadd_ps(we, xe[m], acc[i][m]);
+                acc[i][m] = _mm256_fmadd_ps(wo, xo[m], acc[i][m]);
+            }
+        }
+    }
+    if (k < K) {
+        for (int i = 0; i < NR; i++) {
+            bf16 tail[16] = {0};
+            memcpy(tail, w[i] + k, sizeof(bf16) * (K - k));
+            const __m256i v = _mm256_loadu_si256((const __m256i *)tail);
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+            for (int m = 0; m < MB; m++) {
+                acc[i][m] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xs + m * Kp + k), acc[i][m]);
+                acc[i][m] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + m * Kp + k + 8), acc[i][m]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int m = 0; m < MB; m++) r[i][m] = hsum8(acc[i][m]);
+}
+
+/* y[m, n] (+)= sum_k x[m, k] W[n, k] (+ bias[n]), as the AVX512 gemv.  Threads
+   split N in blocks of 8 rows; one input row runs against all 8 (8 FMA
+   chains), two rows against 4 at a time. */
+static void gemv(const bf16 *x, int M, long ldx, const bf16 *W, int N, int K, const float *bias, float *y,
+                 long ldy, int accumulate) {
+    const long Kp = (K + 15) / 16 * 16;
+    float *xs = aligned_alloc(64, (sizeof(float) * (size_t)M * Kp + 63) & ~(size_t)63);
+    if (!xs) abort(); /* a few KB per call: the forward's own buffers are far larger */
+    split_x(x, M, ldx, K, Kp, xs);
+    const int nblocks = (N + 7) / 8;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < nblocks; b++) {
+        const int n = b * 8;
+        const int nb = N - n < 8 ? N - n : 8;
+        const bf16 *w[8];
+        for (int i = 0; i < 8; i++) w[i] = W + (long)(n + (i < nb ? i : 0)) * K;
+        for (int m0 = 0; m0 < M; m0 += 2) {
+            const int mb = M - m0 < 2 ? M - m0 : 2;
+            const float *xm = xs + (long)m0 * Kp;
+            float r[8][2];
+            if (mb == 1) {
+                dot_block(8, 1, xm, Kp, w, K, r);
+            } else {
+                float r2[8][2];
+                dot_block(4, 2, xm, Kp, w, K, r);
+                if (nb > 4) dot_block(4, 2, xm, Kp, w + 4, K, r2);
+                for (int i = 4; i < nb; i++) r[i][0] = r2[i - 4][0], r[i][1] = r2[i - 4][1];
+            }
+            for (int m = 0; m < mb; m++) {
+                float *dst = y + (long)(m0 + m) * ldy + n;
+                for (int i = 0; i < nb; i++) {
+                    float v = r[i][m] + (bias ? bias[n + i] : 0.0f);
+                    dst[i] = accumulate ? dst[i] + v : v;
+                }
+            }
+        }
+    }
+    free(xs);
+}
+#endif
+
 /* ---------------------------------------------------------------------- AMX */
 
 /* Weights packed for TDPBF16PS: for each block of 16 output rows n and 32
@@ -229,6 +413,7 @@ int ss_pack_amx(const bf16 *W, int N, int K, bf16 *out) {
     return 0;
 }
 
+#ifdef SS_AVX512
 /* Linux gives a process the AMX tile state only on request. */
 int ss_amx_init(void) {
     const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
@@ -320,6 +505,18 @@ static void matmul(const bf16 *x, int M, long ldx, const bf16 *W, const bf16 *Wp
         gemv(x, M, ldx, W, N, K, bias, y, ldy, accumulate);
 }
 
+#else /* SS_AVX2: no AMX in this build */
+
+int ss_amx_init(void) { return -1; }
+
+/* Packed weights (Wp) are AMX-only: this build always runs the GEMV. */
+static void matmul(const bf16 *x, int M, long ldx, const bf16 *W, const bf16 *Wp, int N, int K, const float *bias,
+                   float *y, long ldy, int accumulate) {
+    (void)Wp;
+    gemv(x, M, ldx, W, N, K, bias, y, ldy, accumulate);
+}
+#endif
+
 /* ------------------------------------------------------------- elementwise */
 
 /* dst (bf16, row stride ldd) = rmsnorm(src) * w, per row of n. */
@@ -354,6 +551,7 @@ static inline void rotate(float *x, const float *c, const float *s, int half) {
 
 /* ---------------------------------------------------------------- attention */
 
+#ifdef SS_AVX512
 static inline float dot_f32_bf16(const float *q, const bf16 *k, int hd) {
     __m512 acc = _mm512_setzero_ps();
     int d = 0;
@@ -544,7 +742,194 @@ static inline __attribute__((always_inline)) void attend_group_hd(
     }
 }
 
+#else /* SS_AVX2 */
+
+static inline float dot_f32_bf16(const float *q, const bf16 *k, int hd) {
+    __m256 acc = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 8 <= hd; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_bf16x8(k + d), acc);
+    float s = hsum8(acc);
+    for (; d < hd; d++) s += q[d] * bf16_to_f32(k[d]);
+    return s;
+}
+
+/* One (query token, head): softmax(q K^T * scale) V over keys [lo, hi] of a
+   sequence whose key j lives in slot bt[j / bs] * bs + j % bs. */
+static void attend_one(const float *q, const bf16 *kc, const bf16 *vc, int kv_stride, int g, int hd,
+                       const int32_t *bt, int bs, int lo, int hi, float scale, float *scores, float *acc,
+                       bf16 *out) {
+    const int n = hi - lo + 1;
+    float mx = -INFINITY;
+    for (int j = lo; j <= hi; j++) {
+        long slot = (long)bt[j / bs] * bs + j % bs;
+        float s = dot_f32_bf16(q, kc + slot * kv_stride + (long)g * hd, hd) * scale;
+        scores[j - lo] = s;
+        mx = s > mx ? s : mx;
+    }
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + i), vmx));
+        _mm256_storeu_ps(scores + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum8(vsum);
+    for (; i < n; i++) {
+        scores[i] = exp_scalar(scores[i] - mx);
+        sum += scores[i];
+    }
+    for (int d = 0; d < hd; d++) acc[d] = 0.0f;
+    for (int j = lo; j <= hi; j++) {
+        long slot = (long)bt[j / bs] * bs + j % bs;
+        const bf16 *v = vc + slot * kv_stride + (long)g * hd;
+        __m256 p = _mm256_set1_ps(scores[j - lo]);
+        int d = 0;
+        for (; d + 8 <= hd; d += 8)
+            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load_bf16x8(v + d), _mm256_loadu_ps(acc + d)));
+        for (; d < hd; d++) acc[d] += scores[j - lo] * bf16_to_f32(v[d]);
+    }
+    const float inv = 1.0f / sum;
+    for (int d = 0; d < hd; d++) out[d] = f32_to_bf16(acc[d] * inv);
+}
+
+/* In-register transpose of an 8 x 8 fp32 matrix (row i in r[i]). */
+static inline void transpose8x8_ps(__m256 r[8]) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    /* s[4h + c], lane L: column c + 4L of rows 4h..4h+3 */
+    for (int h = 0; h < 2; h++) {
+        s[4 * h + 0] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        s[4 * h + 1] = _mm256_shuffle_ps(t[4 * h + 0], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        s[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        s[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
+    }
+}
+
+/* out[r] (32 columns from c0) = bf16(sum_n S[r][n] v_n * inv[r]) for RC (1 or 2)
+   rows: each output accumulates over n in order in one fp32 register. */
+static inline __attribute__((always_inline)) void pv_cols32(const int RC, int c0, int nk, int nkp, const float *S,
+                                                            const bf16 *vc, const long *slots, const float *inv,
+                                                            bf16 *const *out) {
+    __m256 acc[2][4];
+    for (int rr = 0; rr < RC; rr++)
+        for (int c = 0; c < 4; c++) acc[rr][c] = _mm256_setzero_ps();
+    for (int n = 0; n < nk; n++) {
+        const bf16 *v = vc + slots[n] + c0;
+        __m256 vv[4];
+        for (int c = 0; c < 4; c++) vv[c] = load_bf16x8(v + 8 * c);
+        for (int rr = 0; rr < RC; rr++) {
+            const __m256 pr = _mm256_broadcast_ss(S + (long)rr * nkp + n);
+            for (int c = 0; c < 4; c++) acc[rr][c] = _mm256_fmadd_ps(pr, vv[c], acc[rr][c]);
+        }
+    }
+    for (int rr = 0; rr < RC; rr++) {
+        const __m256 sc = _mm256_set1_ps(inv[rr]);
+        for (int c = 0; c < 4; c++)
+            _mm_storeu_si128((__m128i *)(out[rr] + c0 + 8 * c), cvt_f32x8_bf16(_mm256_mul_ps(acc[rr][c], sc)));
+    }
+}
+
+/* All query rows of one (sequence, kv head) group at once, as the AVX512
+   attend_group_hd: keys are visited once per group, 8 at a time from a
+   transposed fp32 block kt[d][8]; row r's score for a key is
+   sum_d (q_r[d] * scale) k[d] in fp32, even d and odd d in two accumulators
+   added at the end; P.V accumulates in fp32 registers.  No step depends on R
+   or on the other rows.  qb_ holds (R + 4) rows of HD fp32, kt_ 8 * HD fp32.
+   HD = head dim (a multiple of 32); RC is the AVX512 build's and unused. */
+static inline __attribute__((always_inline)) void attend_group_hd(
+    const int HD, const int RC, int R, const float *const *q, const int *lo, const int *hi, const bf16 *kc,
+    const bf16 *vc, int kv_stride, int g, const int32_t *bt, int bs, float scale, float *S, uint32_t *qb_,
+    uint32_t *kt_, long *slots, bf16 *const *out) {
+    (void)RC;
+    float *qs = (float *)qb_, *kt = (float *)kt_;
+    int jlo = lo[0], jhi = hi[0];
+    for (int r = 1; r < R; r++) {
+        jlo = lo[r] < jlo ? lo[r] : jlo;
+        jhi = hi[r] > jhi ? hi[r] : jhi;
+    }
+    const int nk = jhi - jlo + 1, nkp = (nk + 7) & ~7;
+    for (int j = jlo, n = 0; j <= jhi;) { /* one division per cache block */
+        const int blk = j / bs;
+        const long base = (long)bt[blk] * bs;
+        for (int off = j - blk * bs; off < bs && j <= jhi; off++, j++)
+            slots[n++] = (base + off) * kv_stride + (long)g * HD;
+    }
+    for (int r = 0; r < R + 4; r++)
+        for (int d = 0; d < HD; d++) qs[r * HD + d] = r < R ? q[r][d] * scale : 0.0f;
+    /* scores S[r][n] = q_r . k_(jlo + n) */
+    for (int n0 = 0; n0 < nkp; n0 += 8) {
+        for (int d0 = 0; d0 < HD; d0 += 8) { /* 8 keys x 8 dims -> dim-major */
+            __m256 rows[8];
+            for (int n = 0; n < 8; n++) {
+                const int nn = n0 + n < nk ? n0 + n : nk - 1;
+                rows[n] = load_bf16x8(kc + slots[nn] + d0);
+            }
+            transpose8x8_ps(rows);
+            for (int p = 0; p < 8; p++) _mm256_store_ps(kt + (d0 + p) * 8, rows[p]);
+        }
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            __m256 e[4], o[4];
+            for (int i = 0; i < 4; i++) e[i] = o[i] = _mm256_setzero_ps();
+            const float *q0 = qs + (long)r0 * HD;
+            for (int d = 0; d < HD; d += 2) {
+                const __m256 ka = _mm256_load_ps(kt + d * 8), kb = _mm256_load_ps(kt + (d + 1) * 8);
+                for (int i = 0; i < 4; i++) {
+                    e[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + i * HD + d), ka, e[i]);
+                    o[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + i * HD + d + 1), kb, o[i]);
+                }
+            }
+            for (int i = 0; i < 4 && r0 + i < R; i++)
+                _mm256_store_ps(S + (long)(r0 + i) * nkp + n0, _mm256_add_ps(e[i], o[i]));
+        }
+    }
+    /* masked softmax numerators, per row */
+    float inv[R];
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int r = 0; r < R; r++) {
+        float *sr = S + (long)r * nkp;
+        const int a = lo[r] - jlo, b = hi[r] - jlo;
+        for (int n = 0; n < a; n++) sr[n] = -INFINITY;
+        for (int n = b + 1; n < nkp; n++) sr[n] = -INFINITY;
+        __m256 vmx = ninf;
+        for (int n = 0; n < nkp; n += 8) vmx = _mm256_max_ps(vmx, _mm256_load_ps(sr + n));
+        vmx = _mm256_set1_ps(hmax8(vmx));
+        __m256 vsum = _mm256_setzero_ps();
+        for (int n = 0; n < nkp; n += 8) {
+            const __m256 s = _mm256_load_ps(sr + n);
+            __m256 ex = exp256(_mm256_sub_ps(s, vmx));
+            ex = _mm256_and_ps(ex, _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
+            _mm256_store_ps(sr + n, ex);
+            vsum = _mm256_add_ps(vsum, ex);
+        }
+        inv[r] = 1.0f / hsum8(vsum);
+    }
+    /* out_r = sum_n P[r][n] v_n / sum: 32 columns and two rows at a time */
+    for (int c0 = 0; c0 < HD; c0 += 32)
+        for (int r0 = 0; r0 < R; r0 += 2) {
+            if (R - r0 >= 2)
+                pv_cols32(2, c0, nk, nkp, S + (long)r0 * nkp, vc, slots, inv + r0, out + r0);
+            else
+                pv_cols32(1, c0, nk, nkp, S + (long)r0 * nkp, vc, slots, inv + r0, out + r0);
+        }
+}
+#endif
+
 /* ------------------------------------------------------------------ forward */
+
+/* per query row, 32-bit words of the grouped attention's q buffer: bf16 pairs
+   (AVX512) or fp32 (AVX2) */
+#ifdef SS_AVX512
+#define SS_QB_WORDS(hd) ((hd) / 2)
+#else
+#define SS_QB_WORDS(hd) (hd)
+#endif
 
 static void *scratch_alloc(size_t bytes) {
     size_t rounded = (bytes + 63) & ~(size_t)63;
@@ -639,7 +1024,8 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     const int max_rows = tc * G, ctx_pad = (max_ctx + 15) & ~15;
     const size_t ws_bytes =
         ((size_t)max_rows * (2 * sizeof(void *) + 2 * sizeof(int)) + sizeof(long) * ctx_pad + 64 +
-         sizeof(uint32_t) * (16 + max_rows + 4) * (hd / 2) + 64 + sizeof(float) * (size_t)max_rows * ctx_pad + 63) &
+         sizeof(uint32_t) * (16 * (hd / 2) + (max_rows + 4) * SS_QB_WORDS(hd)) + 64 +
+         sizeof(float) * (size_t)max_rows * ctx_pad + 63) &
         ~(size_t)63;
     if (grouped) att_ws = scratch_alloc(ws_bytes * nthr);
     if (!act || !qkv || !gu || (grouped ? !att_ws || !task_seq || !task_chunk : !att_scr)) {
@@ -692,7 +1078,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
                 long *slots = (long *)(hi + max_rows);
                 uint32_t *kt = (uint32_t *)(((uintptr_t)(slots + ctx_pad) + 63) & ~(uintptr_t)63);
                 uint32_t *qb = kt + (hd / 2) * 16;
-                float *S = (float *)(((uintptr_t)(qb + (max_rows + 4) * (hd / 2)) + 63) & ~(uintptr_t)63);
+                float *S = (float *)(((uintptr_t)(qb + (max_rows + 4) * SS_QB_WORDS(hd)) + 63) & ~(uintptr_t)63);
                 for (int r = 0; r < R; r++) {
                     const int i = r / G, h = g * G + r % G, t = t0 + i;
                     qp[r] = qkv + (long)t * nqkv + h * hd;
@@ -732,6 +1118,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
             const float *g = gu + (long)t * 2 * I, *u = g + I;
             bf16 *a = act + (long)t * actw;
             int i = 0;
+#ifdef SS_AVX512
             for (; i + 16 <= I; i += 16) {
                 __m512 gv = _mm512_loadu_ps(g + i);
                 __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
@@ -739,6 +1126,15 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
                 __m512 r = _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i));
                 _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(r));
             }
+#else
+            for (; i + 8 <= I; i += 8) {
+                __m256 gv = _mm256_loadu_ps(g + i);
+                __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                           _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+                __m256 r = _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i));
+                _mm_storeu_si128((__m128i *)(a + i), cvt_f32x8_bf16(r));
+            }
+#endif
             for (; i < I; i++) {
                 float gs = g[i] / (1.0f + exp_scalar(-g[i]));
                 a[i] = f32_to_bf16(gs * u[i]);
@@ -797,3 +1193,12 @@ int ss_set_num_threads(int n) {
 }
 
 int ss_abi_version(void) { return 3; }
+
+/* Which build this is (the Python side logs it). */
+const char *ss_isa(void) {
+#ifdef SS_AVX512
+    return "avx512";
+#else
+    return "avx2";
+#endif
+}

@@ -3,10 +3,11 @@
 The C source is compiled once with the system C compiler into the specserve
 cache directory (the file name carries a hash of the source and flags; a
 library prebuilt next to the source, as container images ship it, is used
-first), then loaded with ctypes.  It needs an x86-64 CPU with AVX512-BF16 and
-uses AMX tiles where the CPU has them; anywhere else (or with no compiler)
-``load_library`` raises ``KernelUnavailable`` with the reason and the caller
-keeps the torch path.
+first), then loaded with ctypes.  It needs an x86-64 CPU with AVX512-BF16
+(then it uses AMX tiles where the CPU has them) or with AVX2 + FMA + F16C (a
+second build of the same source, see ``cpu_features``); anywhere else (or with
+no compiler) ``load_library`` raises ``KernelUnavailable`` with the reason and
+the caller keeps the torch path.
 
 ``CpuDecoder`` wraps a bf16 ``LlamaModel`` and its ``KVCache``: ``forward``
 runs the whole decoder stack for a flattened ragged batch in one C call and
@@ -27,7 +28,16 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from specserve.kernels.cpu_features import CFLAGS, SOURCE, cpu_flags, cpu_unsupported_reason, find_compiler, library_name
+from specserve.kernels.cpu_features import (
+    ISAS,
+    SOURCE,
+    cflags,
+    cpu_flags,
+    cpu_unsupported_reason,
+    find_compiler,
+    kernel_isa,
+    library_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,38 +48,46 @@ class KernelUnavailable(RuntimeError):
     """The fused CPU decoder cannot run here (the message says why)."""
 
 
-def _build(cc: str, out: Path) -> None:
+def _build(cc: str, out: Path, isa: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_lib = Path(tmp) / out.name
         proc = subprocess.run(
-            [cc, *CFLAGS, "-o", str(tmp_lib), str(SOURCE)], capture_output=True, text=True, timeout=300
+            [cc, *cflags(isa), "-o", str(tmp_lib), str(SOURCE)], capture_output=True, text=True, timeout=300
         )
         if proc.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp_lib, out)  # atomic: concurrent builders never see a partial file
 
 
-def build_library(out_dir: Path) -> Path:
-    """Compile the kernel into out_dir (no CPU check: an image build may run elsewhere)."""
+def build_library(out_dir: Path, isa: str | None = None) -> Path:
+    """Compile one build of the kernel (default: this CPU's best, else AVX512)
+    into out_dir (no CPU check: an image build may run elsewhere)."""
     cc = find_compiler()
     if not cc:
         raise KernelUnavailable("no C compiler (gcc) on PATH to build it")
-    path = out_dir / library_name()
+    isa = isa or kernel_isa() or "avx512"
+    path = out_dir / library_name(isa)
     if not path.exists():
-        log.info("building the fused CPU decoder kernel into %s", path)
-        _build(cc, path)
+        log.info("building the fused CPU decoder kernel (%s) into %s", isa, path)
+        _build(cc, path, isa)
     return path
 
 
-def load_library(cache_dir: Path) -> ctypes.CDLL:
+def load_library(cache_dir: Path, isa: str | None = None) -> ctypes.CDLL:
     """The kernel library: prebuilt next to the source (container images), else
-    built once into cache_dir/kernels."""
+    built once into cache_dir/kernels.  ``isa`` picks a build other than the
+    best one this CPU runs (tests); the CPU must still support it."""
     reason = cpu_unsupported_reason()
     if reason:
         raise KernelUnavailable(reason)
-    prebuilt = SOURCE.parent / library_name()
-    lib_path = prebuilt if prebuilt.exists() else build_library(cache_dir / "kernels")
+    if isa is None:
+        isa = kernel_isa()
+    elif isa not in ISAS or not set(ISAS[isa][1]) <= cpu_flags():
+        raise KernelUnavailable(f"the CPU cannot run the {isa} build")
+    assert isa is not None
+    prebuilt = SOURCE.parent / library_name(isa)
+    lib_path = prebuilt if prebuilt.exists() else build_library(cache_dir / "kernels", isa)
     # torch (imported above) has loaded its libgomp.so.1; the kernel library's
     # DT_NEEDED entry resolves to that same OpenMP runtime and thread pool.
     lib = ctypes.CDLL(str(lib_path))
@@ -84,10 +102,20 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
         ("ss_amx_packed_elems", [I32, I32], ctypes.c_long),
         ("ss_amx_init", [], I32),
         ("ss_set_num_threads", [I32], I32),
+        ("ss_isa", [], ctypes.c_char_p),
     ]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
+    built = lib.ss_isa().decode()
+    if built != isa:
+        raise KernelUnavailable(f"{lib_path} is the {built} build, expected {isa}")
+    log.info("fused CPU decoder: %s build (%s)", isa, lib_path.name)
     return lib
+
+
+def library_isa(lib: ctypes.CDLL) -> str:
+    """Which build a loaded library is: "avx512" or "avx2"."""
+    return lib.ss_isa().decode()
 
 
 class _Layer(ctypes.Structure):
@@ -160,7 +188,8 @@ class CpuDecoder:
         self.lib = lib
         self.a = a
         # AMX runs every decode-sized matmul (1..32 rows) from a packed copy of the
-        # projections; without it, the AVX512-BF16 GEMV reads the torch weights.
+        # projections; without it, the AVX512-BF16 (or AVX2) GEMV reads the torch
+        # weights.  The AVX2 build has no AMX (ss_amx_init fails there).
         self.use_amx = amx_usable(lib) if use_amx is None else use_amx
         keep: list[Tensor] = []  # owns every buffer the C side points into
 
@@ -287,13 +316,15 @@ def _bias(lin: Any) -> Tensor | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m specserve.kernels.cpu_decoder [DIR]``: build the library into
-    DIR (default: next to the source, where ``load_library`` looks first)."""
+    """``python -m specserve.kernels.cpu_decoder [DIR]``: build every ISA's
+    library (AVX512, AVX2) into DIR (default: next to the source, where
+    ``load_library`` looks first), so an image built on one CPU serves both."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
     out = Path(args[0]) if args else SOURCE.parent
-    print(build_library(out))
+    for isa in ISAS:
+        print(build_library(out, isa))
     return 0
 
 

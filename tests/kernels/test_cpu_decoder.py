@@ -1,7 +1,10 @@
 """The fused CPU decoder (specserve/kernels/cpu_decoder.c) against torch.
 
-Skipped where the kernel cannot run (no AVX512-BF16 or no C compiler); on
-this project's machines it runs."""
+Skipped where the kernel cannot run (neither AVX512-BF16 nor AVX2 + FMA +
+F16C, or no C compiler); on this project's machines it runs.  An AVX2-only CPU
+runs everything here on the AVX2 build; an AVX512 one runs the best build and,
+for the matmul tests, the AVX2 build too (SPECSERVE_CPU_ISA=avx2 runs the
+whole module on it)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,14 @@ from specserve.errors import ConfigError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import load_model
 from specserve.executor.runner import ModelRunner, SeqInput
-from specserve.kernels.cpu_decoder import KernelUnavailable, amx_usable, load_library, matmul, pack_amx
+from specserve.kernels.cpu_decoder import (
+    KernelUnavailable,
+    amx_usable,
+    library_isa,
+    load_library,
+    matmul,
+    pack_amx,
+)
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -58,15 +68,27 @@ def _reference_fp32(path, **kw):
     return ref
 
 
-@pytest.fixture(scope="module", params=["avx512", "amx"])
-def path(request, lib):
-    if request.param == "amx" and not amx_usable(lib):
-        pytest.skip("no AMX here")
-    return request.param
+@pytest.fixture(scope="module", params=["simd", "amx", "avx2"])
+def path(request, lib, kcache):
+    """(library, through AMX): the best build's SIMD GEMV (AVX512-BF16 or AVX2),
+    its AMX tiles, and the AVX2 build where the best one is AVX512."""
+    if request.param == "amx":
+        if not amx_usable(lib):
+            pytest.skip("no AMX here")
+        return lib, True
+    if request.param == "avx2":
+        if library_isa(lib) == "avx2":
+            pytest.skip("the AVX2 build is this CPU's best: the simd case runs it")
+        try:
+            return load_library(kcache, "avx2"), False
+        except KernelUnavailable as e:
+            pytest.skip(f"no AVX2 build here: {e}")
+    return lib, False
 
 
-def _mm(lib, path, x, w, bias=None):
-    return matmul(lib, x, w, pack_amx(lib, w) if path == "amx" else None, bias)
+def _mm(path, x, w, bias=None):
+    lib, amx = path
+    return matmul(lib, x, w, pack_amx(lib, w) if amx else None, bias)
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 1, 32), (3, 5, 48), (7, 13, 100), (9, 64, 576), (4, 4, 31), (33, 40, 64), (70, 40, 96)])
@@ -76,22 +98,24 @@ def test_matmul_matches_fp64_reference_with_tails(lib, path, M, N, K):
     w = torch.randn(N, K, generator=g).bfloat16()
     bias = torch.randn(N, generator=g)
     ref = x.double() @ w.double().T + bias.double()
-    y = _mm(lib, path, x, w, bias)
+    y = _mm(path, x, w, bias)
     assert y.shape == (M, N)
     assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
-def test_matmul_rows_do_not_depend_on_the_batch(lib, path):
+@pytest.mark.parametrize("K", [576, 100])
+def test_matmul_rows_do_not_depend_on_the_batch(lib, path, K):
     """Each row is computed by the same instruction sequence whatever M is: bit-exact."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(75, 576, generator=g).bfloat16()
-    w = torch.randn(37, 576, generator=g).bfloat16()
-    full = _mm(lib, path, x, w)
-    assert torch.equal(_mm(lib, path, x[40:], w), full[40:])
+    x = torch.randn(75, K, generator=g).bfloat16()
+    w = torch.randn(37, K, generator=g).bfloat16()
+    full = _mm(path, x, w)
+    assert torch.equal(_mm(path, x[40:], w), full[40:])
     for m in (0, 5, 17, 39, 74):
-        assert torch.equal(_mm(lib, path, x[m : m + 1], w)[0], full[m])
-    assert torch.equal(_mm(lib, path, x[2:8], w), full[2:8])
-    assert torch.equal(_mm(lib, path, x[10:30], w), full[10:30])
+        assert torch.equal(_mm(path, x[m : m + 1], w)[0], full[m])
+    assert torch.equal(_mm(path, x[2:8], w), full[2:8])
+    assert torch.equal(_mm(path, x[10:30], w), full[10:30])
+    assert torch.equal(_mm(path, x[3:6], w), full[3:6])
 
 
 # The fused attention has register-blocked kernels for head_dim 64 and 128 and a
@@ -304,7 +328,7 @@ def test_auto_dtype_is_bf16_only_where_the_fused_decoder_runs(monkeypatch, lib):
     from specserve.kernels import cpu_features
 
     cpu = torch.device("cpu")
-    assert resolve_dtype("auto", cpu, "auto") == torch.bfloat16  # this machine: AVX512-BF16 + gcc
+    assert resolve_dtype("auto", cpu, "auto") == torch.bfloat16  # this machine: AVX512-BF16 or AVX2, + gcc
     assert resolve_dtype("auto", cpu, "torch") == torch.float32
     assert resolve_dtype("bfloat16", cpu, "torch") == torch.bfloat16  # explicit wins
     monkeypatch.setattr(cpu_features, "find_compiler", lambda: None)
@@ -360,3 +384,34 @@ def test_kernel_threads_follow_torch_in_any_calling_thread(lib):
     finally:
         torch.set_num_threads(before)
     assert seen == [1]
+
+
+def test_the_best_build_this_cpu_runs_is_loaded(lib):
+    from specserve.kernels import cpu_features
+
+    assert library_isa(lib) == cpu_features.kernel_isa()
+    assert not (library_isa(lib) == "avx2" and amx_usable(lib))  # the AVX2 build has no AMX
+
+
+def test_isa_choice_and_library_names(monkeypatch):
+    """AVX512-BF16 where the CPU has it, else AVX2 + FMA + F16C, else none; the two
+    builds' libraries have distinct names carrying the ISA."""
+    from specserve.kernels import cpu_features as cf
+
+    avx2 = {"avx", "avx2", "fma", "f16c", "sse4_2"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    monkeypatch.setattr(cf.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv(cf.ISA_ENV, raising=False)
+    for flags, want in [(avx512, "avx512"), (avx2, "avx2"), (avx2 - {"f16c"}, None), (set(), None)]:
+        monkeypatch.setattr(cf, "cpu_flags", lambda flags=flags: flags)
+        assert cf.kernel_isa() == want
+        assert (cf.cpu_unsupported_reason() is None) == (want is not None)
+    assert "f16c" in cf.cpu_unsupported_reason()  # the last case: names what AVX2 needs
+    monkeypatch.setattr(cf, "cpu_flags", lambda: avx512)
+    monkeypatch.setenv(cf.ISA_ENV, "avx2")
+    assert cf.kernel_isa() == "avx2" and cf.cflags() == cf.AVX2_CFLAGS
+    monkeypatch.setenv(cf.ISA_ENV, "sse2")
+    assert "sse2" in cf.cpu_unsupported_reason()
+    names = {cf.library_name(isa) for isa in cf.ISAS}
+    assert len(names) == 2 and all(f"-{isa}-" in cf.library_name(isa) for isa in cf.ISAS)
+    assert "-mavx512bf16" not in cf.AVX2_CFLAGS and "-mavx2" in cf.AVX2_CFLAGS
