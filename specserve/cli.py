@@ -13,7 +13,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from specserve.config import MISPLACED_KEY_HINTS, Config, register_configs, validate_config
 from specserve.errors import SpecServeError
@@ -96,11 +96,6 @@ def _first_line_of(e: BaseException, dirs: list[Path]) -> str:
 
 def compose_config(argv: list[str]) -> Config | None:
     """Compose and validate; None when only --cfg/--help output was requested."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
     extra_dir, name, show, help_, overrides = _parse_argv(argv)
     if help_:
         print(USAGE.format(prog=Path(sys.argv[0]).name))
@@ -109,6 +104,24 @@ def compose_config(argv: list[str]) -> Config | None:
         key = o.split("=", 1)[0].lstrip("+~")
         if key in MISPLACED_KEY_HINTS:
             raise UsageError(f"{key}: is not a valid key here; {MISPLACED_KEY_HINTS[key]}")
+    obj = compose_object(name, overrides, extra_dir, show, register_configs)
+    if obj is None:
+        return None
+    assert isinstance(obj, Config)
+    return validate_config(obj)
+
+
+def compose_object(name: str, overrides: list[str], extra_dir: str | None, show: bool,
+                   register: Callable[[Any], None]) -> Any:
+    """The object of preset ``name`` composed with ``overrides`` (the presets of
+    ``--config-dir`` searched before the built-in ones) once ``register`` has filled the
+    config store; None when ``show`` printed the composed YAML instead.  A bad override
+    or preset is a one-line ``UsageError``."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
     dirs = [conf_dir()]
     if extra_dir is not None:
         d = Path(extra_dir).resolve()
@@ -116,7 +129,7 @@ def compose_config(argv: list[str]) -> Config | None:
             raise UsageError(f"--config-dir: {extra_dir} is not a directory")
         overrides = [f"hydra.searchpath=[file://{d}]"] + overrides
         dirs.append(d)
-    register_configs(ConfigStore.instance())
+    register(ConfigStore.instance())
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(dirs[0]), version_base="1.3"):
@@ -124,15 +137,13 @@ def compose_config(argv: list[str]) -> Config | None:
         if show:
             print(OmegaConf.to_yaml(cfg, resolve=True))
             return None
-        obj = OmegaConf.to_object(cfg)
+        return OmegaConf.to_object(cfg)
     except SpecServeError:
         raise
     except Exception as e:  # Hydra and OmegaConf raise many types for a bad override
         raise UsageError(_first_line_of(e, dirs)) from None
     finally:
         GlobalHydra.instance().clear()
-    assert isinstance(obj, Config)
-    return validate_config(obj)
 
 
 def _run(argv: list[str] | None, body: Callable[[Config], int]) -> int:

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from specserve.errors import SpecServeError
 
@@ -20,12 +19,7 @@ DEFAULT_PRESET = "train/smollm2-135m-eagle3"
 
 
 def compose_train_config(argv: list[str]):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
-    from specserve.cli import UsageError, _first_line_of, _parse_argv, conf_dir
+    from specserve.cli import UsageError, _parse_argv, compose_object
     from specserve.train.config import TrainConfig, register_train_configs, validate_train_config
 
     extra_dir, name, show, help_, overrides = _parse_argv(argv)
@@ -34,28 +28,9 @@ def compose_train_config(argv: list[str]):
         return None
     if name == "config":  # _parse_argv's default is the server's config
         name = DEFAULT_PRESET
-    dirs = [conf_dir()]
-    if extra_dir is not None:
-        d = Path(extra_dir).resolve()
-        if not d.is_dir():
-            raise UsageError(f"--config-dir: {extra_dir} is not a directory")
-        overrides = [f"hydra.searchpath=[file://{d}]"] + overrides
-        dirs.append(d)
-    register_train_configs(ConfigStore.instance())
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(dirs[0]), version_base="1.3"):
-            cfg = compose(config_name=name, overrides=overrides)
-        if show:
-            print(OmegaConf.to_yaml(cfg, resolve=True))
-            return None
-        obj = OmegaConf.to_object(cfg)
-    except SpecServeError:
-        raise
-    except Exception as e:  # Hydra/OmegaConf raise many types for a bad override
-        raise UsageError(_first_line_of(e, dirs)) from None
-    finally:
-        GlobalHydra.instance().clear()
+    obj = compose_object(name, overrides, extra_dir, show, register_train_configs)
+    if obj is None:
+        return None
     if not isinstance(obj, TrainConfig):
         raise UsageError(f"--config-name {name}: not a training preset (conf/train/*.yaml)")
     return validate_train_config(obj)
