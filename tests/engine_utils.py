@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 
 from specserve.config import Config, ModelConfig, SpeculativeConfig, validate_config
@@ -24,6 +26,16 @@ def tiny_config(model_dir: Path, method: str | None = None, k: int = 3, num_bloc
     return validate_config(cfg)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: torch's intra-op threads only contend (on a shared box, badly).
+    A test module that imports this fixture runs on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 24, vocab: int = 60) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi, (n,), generator=g).tolist()
@@ -37,3 +49,33 @@ def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
 
 def run(engine: LLMEngine, prompts, params):
     return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def plain_outputs(model_dir: Path, prompts, max_tokens: int) -> list[list[int]]:
+    """The greedy outputs of plain decoding (no method, no Predicted Outputs drafts)."""
+    cfg = tiny_config(model_dir)
+    cfg.engine.num_prediction_tokens = 0
+    return run(LLMEngine(cfg), prompts, [greedy(max_tokens) for _ in prompts])
+
+
+def sample_outputs(model_dir: Path, method: str | None, n: int, seed: int, k: int = 2, draft_dir: Path | None = None,
+                   prompt: tuple[int, ...] = (11, 12, 13, 14), **engine_kw):
+    """n seeded requests (temperature 0.05, 4 tokens, seeds seed .. seed + n - 1) of one
+    prompt, plainly or by ``method`` under probabilistic verification; ``engine_kw``:
+    engine.* settings."""
+    kw = {"rejection_sample_method": "probabilistic"} if method else {}
+    cfg = tiny_config(model_dir, method, k=k, num_blocks=2048, block_size=4, draft_dir=draft_dir if method else None,
+                      **kw)
+    cfg.engine.max_num_seqs = 200
+    cfg.engine.num_prediction_tokens = 0
+    for key, v in engine_kw.items():
+        setattr(cfg.engine, key, v)
+    ps = [SamplingParams(temperature=0.05, max_tokens=4, seed=seed + i, ignore_eos=True) for i in range(n)]
+    return LLMEngine(cfg).generate([list(prompt)] * n, ps)
+
+
+def total_variation(a, b, pos: int) -> float:
+    """The total variation distance between the tokens at ``pos`` of two equally long lists of outputs."""
+    ca = Counter(o.token_ids[pos] for o in a)
+    cb = Counter(o.token_ids[pos] for o in b)
+    return 0.5 * sum(abs(ca[t] - cb[t]) for t in set(ca) | set(cb)) / len(a)

@@ -7,28 +7,19 @@ distribution; one-line errors (K beyond the block, not a DFlash draft, hidden si
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import greedy, random_prompts, run, tiny_config
+from engine_utils import greedy, plain_outputs, random_prompts, sample_outputs, tiny_config, total_variation
+from engine_utils import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from safetensors.torch import save_file
 
 from specserve.config import ConfigError
 from specserve.engine.engine import LLMEngine
 from specserve.proposers.dflash import DFlashLayer
-from specserve.request import SamplingParams
 
 MAX_TOKENS = 20
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_dflash(out: Path, target_layers: list[int], layers: int = 2, block: int = 4, hidden: int = 64,
@@ -74,17 +65,11 @@ def prompts():
     return random_prompts(5, seed=51)
 
 
-def _plain(model, prompts):
-    cfg = tiny_config(model)
-    cfg.engine.num_prediction_tokens = 0
-    return run(LLMEngine(cfg), prompts, [greedy(MAX_TOKENS) for _ in prompts])
-
-
 @pytest.mark.parametrize("arch, draft, k", [("llama", "two-features", 3), ("llama", "one-feature", 2),
                                             ("qwen3", "two-features", 1), ("qwen3", "one-feature", 5)])
 def test_greedy_equals_plain_with_one_forward_per_round(tiny_model_dirs, drafts, prompts, arch, draft, k, monkeypatch):
     model = tiny_model_dirs[arch]
-    ref = _plain(model, prompts)
+    ref = plain_outputs(model, prompts, MAX_TOKENS)
     calls = []
     forward = DFlashLayer.forward
     monkeypatch.setattr(DFlashLayer, "forward", lambda self, *a, **kw: calls.append(1) or forward(self, *a, **kw))
@@ -99,7 +84,7 @@ def test_greedy_equals_plain_with_one_forward_per_round(tiny_model_dirs, drafts,
 
 
 def test_chunked_prefill_and_preemption(tiny_llama, drafts, prompts):
-    ref = _plain(tiny_llama, prompts)
+    ref = plain_outputs(tiny_llama, prompts, MAX_TOKENS)
     cfg = tiny_config(tiny_llama, "dflash", k=3, num_blocks=24, block_size=4, draft_dir=drafts["two-features"])
     cfg.engine.max_num_batched_tokens = 12
     eng = LLMEngine(cfg)
@@ -109,23 +94,12 @@ def test_chunked_prefill_and_preemption(tiny_llama, drafts, prompts):
 
 
 def test_probabilistic_sampled_drafts_keep_the_distribution(tiny_llama, drafts):
-    prompt, n = [11, 12, 13, 14], 600
-
-    def sample(method):
-        kw = {"rejection_sample_method": "probabilistic"} if method else {}
-        cfg = tiny_config(tiny_llama, method, k=3, num_blocks=2048, block_size=4,
-                          draft_dir=drafts["two-features"] if method else None, **kw)
-        cfg.engine.max_num_seqs = 200
-        cfg.engine.num_prediction_tokens = 0
-        ps = [SamplingParams(temperature=0.05, max_tokens=4, seed=5000 + i, ignore_eos=True) for i in range(n)]
-        return LLMEngine(cfg).generate([prompt] * n, ps)
-
-    base, spec = sample(None), sample("dflash")
+    n = 600
+    base = sample_outputs(tiny_llama, None, n, seed=5000)
+    spec = sample_outputs(tiny_llama, "dflash", n, seed=5000, k=3, draft_dir=drafts["two-features"])
     assert sum(o.spec.num_draft_tokens for o in spec) > n
     for pos in (1, 2, 3):
-        a = Counter(o.token_ids[pos] for o in base)
-        b = Counter(o.token_ids[pos] for o in spec)
-        tv = 0.5 * sum(abs(a[t] - b[t]) for t in set(a) | set(b)) / n
+        tv = total_variation(base, spec, pos)
         assert tv < 0.15, (pos, tv)
 
 

@@ -14,21 +14,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from eagle_heads import make_bigram_target, write_head  # noqa: E402
 from engine_utils import greedy, random_prompts, run, tiny_config  # noqa: E402
+from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
 from specserve.config import Config, ModelConfig, SpeculativeConfig, validate_config  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.errors import ConfigError  # noqa: E402
 from specserve.executor.batch import SeqInput  # noqa: E402
 
 K = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread (OpenMP spinning on a loaded 2-core box is 10x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 _LOADED: dict[str, object] = {}

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from eagle_heads import write_head  # noqa: E402
-from engine_utils import tiny_config  # noqa: E402
+from engine_utils import one_thread, tiny_config  # noqa: E402, F401 (one_thread: an autouse fixture)
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.executor.batch import SeqInput  # noqa: E402
 from specserve.executor.loader import load_model  # noqa: E402
@@ -23,14 +23,6 @@ from tiny_models import make_tiny_model  # noqa: E402
 V = 16
 PROMPT = [5, 9, 3, 12, 7]
 N = 4000
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

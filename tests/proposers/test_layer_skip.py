@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from engine_utils import greedy, random_prompts, run, tiny_config
+from engine_utils import greedy, plain_outputs, random_prompts, tiny_config
+from engine_utils import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from tiny_models import make_tiny_model
 
 from specserve.config import ConfigError, validate_config
@@ -17,17 +18,6 @@ from specserve.proposers.layer_skip import SkipModel, calibrate
 from specserve.executor.loader import load_model
 
 MAX_TOKENS = 32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: torch's intra-op threads only contend (on a shared box, badly)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +31,6 @@ def prompts():
     return random_prompts(6, seed=9)
 
 
-def _plain(model_dir, prompts):
-    cfg = tiny_config(model_dir)
-    cfg.engine.num_prediction_tokens = 0
-    return run(LLMEngine(cfg), prompts, [greedy(MAX_TOKENS) for _ in prompts])
-
-
 def _check(eng, outs, ref):
     assert [o.token_ids for o in outs] == ref
     assert eng.blocks.num_free == eng.blocks.num_blocks
@@ -56,7 +40,7 @@ def _check(eng, outs, ref):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_explicit_skip_layers_greedy_equals_plain(tiny_model_dirs, prompts, arch):
     model = tiny_model_dirs[arch]
-    ref = _plain(model, prompts)
+    ref = plain_outputs(model, prompts, MAX_TOKENS)
     eng = LLMEngine(tiny_config(model, "layer_skip", k=3, skip_layers=[1]))
     outs = eng.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts])
     _check(eng, outs, ref)
@@ -66,7 +50,7 @@ def test_explicit_skip_layers_greedy_equals_plain(tiny_model_dirs, prompts, arch
 
 
 def test_calibrated_choice_is_lossless_and_logged(deep_llama, prompts, caplog):
-    ref = _plain(deep_llama, prompts)
+    ref = plain_outputs(deep_llama, prompts, MAX_TOKENS)
     eng = LLMEngine(tiny_config(deep_llama, "layer_skip", k=4, skip_ratio=0.5, skip_calibration_tokens=40))
     with caplog.at_level(logging.INFO, logger="specserve.proposers.layer_skip"):
         outs = eng.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts])
@@ -93,7 +77,7 @@ def test_calibration_prefers_layers_that_keep_the_argmax(deep_llama):
 
 
 def test_preemption_and_chunked_prefill(deep_llama, prompts):
-    ref = _plain(deep_llama, prompts)
+    ref = plain_outputs(deep_llama, prompts, MAX_TOKENS)
     cfg = tiny_config(deep_llama, "layer_skip", k=3, skip_layers=[2, 4], num_blocks=26, block_size=4)
     cfg.engine.max_num_batched_tokens = 16
     eng = LLMEngine(cfg)

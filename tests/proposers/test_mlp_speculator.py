@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import greedy, random_prompts, run, tiny_config
+from engine_utils import greedy, plain_outputs, random_prompts, sample_outputs, tiny_config, total_variation
+from engine_utils import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from safetensors.torch import save_file
 
 from specserve.config import ConfigError
@@ -23,14 +23,6 @@ from specserve.request import SamplingParams
 
 MAX_TOKENS = 20
 H, V = 64, 512  # the tiny targets' hidden size and vocabulary
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_speculator(out: Path, n_predict: int = 3, inner: int = 48, tie: bool = False, scale_input: bool = False,
@@ -71,9 +63,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama, prompts):
-    cfg = tiny_config(tiny_llama)
-    cfg.engine.num_prediction_tokens = 0
-    return run(LLMEngine(cfg), prompts, [greedy(MAX_TOKENS) for _ in prompts])
+    return plain_outputs(tiny_llama, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name, k", [("untied", 1), ("untied", 3), ("tied-scaled", 4)])
@@ -103,23 +93,12 @@ def test_stage_formula(speculators):
 
 
 def test_probabilistic_sampled_drafts_keep_the_distribution(tiny_llama, speculators):
-    prompt, n = [11, 12, 13, 14], 600
-
-    def sample(method):
-        kw = {"rejection_sample_method": "probabilistic"} if method else {}
-        cfg = tiny_config(tiny_llama, method, k=2, num_blocks=2048, block_size=4,
-                          draft_dir=speculators["untied"] if method else None, **kw)
-        cfg.engine.max_num_seqs = 200
-        cfg.engine.num_prediction_tokens = 0
-        ps = [SamplingParams(temperature=0.05, max_tokens=4, seed=3000 + i, ignore_eos=True) for i in range(n)]
-        return LLMEngine(cfg).generate([prompt] * n, ps)
-
-    base, spec = sample(None), sample("mlp_speculator")
+    n = 600
+    base = sample_outputs(tiny_llama, None, n, seed=3000)
+    spec = sample_outputs(tiny_llama, "mlp_speculator", n, seed=3000, k=2, draft_dir=speculators["untied"])
     assert sum(o.spec.num_draft_tokens for o in spec) > n
     for pos in (1, 2, 3):
-        a = Counter(o.token_ids[pos] for o in base)
-        b = Counter(o.token_ids[pos] for o in spec)
-        tv = 0.5 * sum(abs(a[t] - b[t]) for t in set(a) | set(b)) / n
+        tv = total_variation(base, spec, pos)
         assert tv < 0.15, (pos, tv)
 
 

@@ -7,12 +7,12 @@ verification keep the target's distribution; a target without MTP layers is one 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import greedy, random_prompts, run, tiny_config
+from engine_utils import greedy, plain_outputs, random_prompts, sample_outputs, tiny_config, total_variation
+from engine_utils import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 
@@ -82,17 +82,6 @@ CASES = {  # name: (arch, layout, MTP layers, own head)
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: torch's intra-op threads only contend (on a shared box, badly)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
@@ -108,16 +97,10 @@ def prompts():
     return random_prompts(4, seed=21)
 
 
-def _plain(model_dir, prompts):
-    cfg = tiny_config(model_dir)
-    cfg.engine.num_prediction_tokens = 0
-    return run(LLMEngine(cfg), prompts, [greedy(MAX_TOKENS) for _ in prompts])
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_equals_plain_decoding(targets, prompts, name):
     model = targets[name]
-    ref = _plain(model, prompts)
+    ref = plain_outputs(model, prompts, MAX_TOKENS)
     n = CASES[name][2]
     for k in (n + 1,):  # K beyond the MTP layers: steps past the last one reuse it
         eng = LLMEngine(tiny_config(model, "mtp", k=k))
@@ -131,7 +114,7 @@ def test_greedy_equals_plain_decoding(targets, prompts, name):
 
 def test_chunked_prefill_and_preemption(targets, prompts):
     model = targets["mimo-qwen2-2"]
-    ref = _plain(model, prompts)
+    ref = plain_outputs(model, prompts, MAX_TOKENS)
     cfg = tiny_config(model, "mtp", k=3, num_blocks=26, block_size=4)
     cfg.engine.max_num_batched_tokens = 16
     eng = LLMEngine(cfg)
@@ -145,24 +128,13 @@ def test_probabilistic_sampled_drafts_keep_the_distribution(targets):
     distribution of output tokens 2..4 matches plain sampling (600 seeded requests;
     at 2000 the distance is at the noise level of two plain runs, ~0.03)."""
     model = targets["deepseek-llama-1"]
-    prompt, n = [11, 12, 13, 14], 600
-
-    def sample(method):
-        cfg = tiny_config(model, method, k=2, num_blocks=2048, block_size=4,
-                          **({"rejection_sample_method": "probabilistic"} if method else {}))
-        cfg.engine.max_num_seqs = 200
-        cfg.engine.num_prediction_tokens = 0
-        cfg.engine.num_threads = 1  # hundreds of tiny attention calls: threads only contend
-        eng = LLMEngine(cfg)
-        ps = [SamplingParams(temperature=0.05, max_tokens=4, seed=7000 + i, ignore_eos=True) for i in range(n)]
-        return eng.generate([prompt] * n, ps)
-
-    base, spec = sample(None), sample("mtp")
+    n = 600
+    # num_threads=1: hundreds of tiny attention calls, threads only contend
+    base = sample_outputs(model, None, n, seed=7000, num_threads=1)
+    spec = sample_outputs(model, "mtp", n, seed=7000, k=2, num_threads=1)
     assert sum(o.spec.num_draft_tokens for o in spec) > n  # drafts were sampled and verified
     for pos in (1, 2, 3):
-        a = Counter(o.token_ids[pos] for o in base)
-        b = Counter(o.token_ids[pos] for o in spec)
-        tv = 0.5 * sum(abs(a[t] - b[t]) for t in set(a) | set(b)) / n
+        tv = total_variation(base, spec, pos)
         assert tv < 0.15, (pos, tv)
 
 

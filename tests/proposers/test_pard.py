@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from engine_utils import greedy, random_prompts, run, tiny_config
+from engine_utils import greedy, plain_outputs, random_prompts, tiny_config
+from engine_utils import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from tiny_models import make_tiny_model
 
 from specserve.config import ConfigError
@@ -20,14 +20,6 @@ from specserve.engine.engine import LLMEngine
 
 MAX_TOKENS = 24
 MASK = 511
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def with_pard_token(src: Path, dst: Path, token: int | None = MASK) -> Path:
@@ -58,9 +50,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama, prompts):
-    cfg = tiny_config(tiny_llama)
-    cfg.engine.num_prediction_tokens = 0
-    return run(LLMEngine(cfg), prompts, [greedy(MAX_TOKENS) for _ in prompts])
+    return plain_outputs(tiny_llama, prompts, MAX_TOKENS)
 
 
 def _engine(target, draft, k, **engine_kw):

@@ -9,7 +9,8 @@ import random
 from collections import Counter
 
 import pytest
-from engine_utils import greedy, random_prompts, run, tiny_config
+from engine_utils import greedy, plain_outputs, random_prompts, tiny_config, total_variation
+from engine_utils import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 from specserve.config import ConfigError, validate_config
 from specserve.engine.engine import LLMEngine
@@ -98,17 +99,6 @@ def test_exhausted_prediction_drafts_nothing():
 # ------------------------------------------------------------------ the engine
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: torch's intra-op threads only contend (on a shared box, badly)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def prompts():
     return random_prompts(8, seed=5)
@@ -116,9 +106,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def vanilla(tiny_llama, prompts):
-    cfg = tiny_config(tiny_llama)
-    cfg.engine.num_prediction_tokens = 0  # really plain
-    return run(LLMEngine(cfg), prompts, [greedy(MAX_TOKENS) for _ in prompts])
+    return plain_outputs(tiny_llama, prompts, MAX_TOKENS)  # really plain: no Predicted Outputs drafts either
 
 
 def _perturb(tokens: list[int], rng: random.Random, edits: int = 3) -> list[int]:
@@ -248,9 +236,7 @@ def test_sampled_output_distribution_is_unchanged(tiny_llama):
     with_pred = sample(list(common))
     assert sum(o.spec.num_accepted_prediction_tokens for o in with_pred) > n // 4  # drafts did get accepted
     for pos in (1, 2, 3):
-        a = Counter(o.token_ids[pos] for o in base)
-        b = Counter(o.token_ids[pos] for o in with_pred)
-        tv = 0.5 * sum(abs(a[t] - b[t]) for t in set(a) | set(b)) / n
+        tv = total_variation(base, with_pred, pos)
         assert tv < 0.12, (pos, tv)
 
 
