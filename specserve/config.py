@@ -127,7 +127,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
     # CPU bf16 data path: "fused" runs each forward in one C call
-    # (specserve/kernels/cpu_decoder.c: AMX / AVX512-BF16, built with gcc on
+    # (specserve/kernels/cpu_decoder.c: AMX / AVX512-BF16 or AVX2, built with gcc on
     # first use); "torch" is torch only; "auto" = fused where the CPU and a
     # compiler allow it, else torch.  cpu_fused_max_tokens: steps with more new
     # tokens go through torch instead (null = no limit).

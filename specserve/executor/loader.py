@@ -56,7 +56,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, cpu_kernel: str = "auto") -> torch.dtype:
     """``auto`` is bfloat16 on CUDA; on CPU it is bfloat16 where the fused CPU
-    decoder runs (``engine.cpu_kernel``; AVX512-BF16 and a C compiler or a
+    decoder runs (``engine.cpu_kernel``; AVX512-BF16 or AVX2, and a C compiler or a
     prebuilt kernel) and float32 elsewhere.
 
     The fused decoder streams bf16 weights near memory bandwidth and computes
