@@ -349,12 +349,8 @@ static inline __attribute__((always_inline)) void dot_block(const int NR, const 
 /* y[m, n] (+)= sum_k x[m, k] W[n, k] (+ bias[n]), as the AVX512 gemv.  Threads
    split N in blocks of 8 rows; one input row runs against all 8 (8 FMA
    chains), two rows against 4 at a time. */
-static void gemv(const bf16 *x, int M, long ldx, const bf16 *W, int N, int K, const float *bias, float *y,
-                 long ldy, int accumulate) {
-    const long Kp = (K + 15) / 16 * 16;
-    float *xs = aligned_alloc(64, (sizeof(float) * (size_t)M * Kp + 63) & ~(size_t)63);
-    if (!xs) abort(); /* a few KB per call: the forward's own buffers are far larger */
-    split_x(x, M, ldx, K, Kp, xs);
+static void gemv_split(const float *xs, int M, long Kp, const bf16 *W, int N, int K, const float *bias, float *y,
+                       long ldy, int accumulate) {
     const int nblocks = (N + 7) / 8;
 #pragma omp parallel for schedule(static)
     for (int b = 0; b < nblocks; b++) {
@@ -383,6 +379,22 @@ static void gemv(const bf16 *x, int M, long ldx, const bf16 *W, int N, int K, co
             }
         }
     }
+}
+
+static void gemv(const bf16 *x, int M, long ldx, const bf16 *W, int N, int K, const float *bias, float *y,
+                 long ldy, int accumulate) {
+    const long Kp = (K + 15) / 16 * 16;
+    float *xs = aligned_alloc(64, (sizeof(float) * (size_t)M * Kp + 63) & ~(size_t)63);
+    if (!xs) { /* no memory for the widened inputs: one row at a time from the stack (rows are independent) */
+        float one[Kp] __attribute__((aligned(32)));
+        for (int m = 0; m < M; m++) {
+            split_x(x + (long)m * ldx, 1, ldx, K, Kp, one);
+            gemv_split(one, 1, Kp, W, N, K, bias, y + (long)m * ldy, ldy, accumulate);
+        }
+        return;
+    }
+    split_x(x, M, ldx, K, Kp, xs);
+    gemv_split(xs, M, Kp, W, N, K, bias, y, ldy, accumulate);
     free(xs);
 }
 #endif
