@@ -25,10 +25,14 @@ requests are decoded without drafts until it is done):
    highest is skipped;
 3. the choice, its agreement and the time taken are logged at INFO.
 
-The draft path is torch (``engine.cpu_kernel`` is ignored for it: the fused CPU
-decoder always runs the whole stack); on CUDA the draft steps replay CUDA graphs
-like draft_model's.  Drafts are greedy (one-hot q), so strict and probabilistic
-verification stay exact.
+The draft's data path is chosen like the target's (``engine.cpu_kernel``, through
+:class:`ModelRunner`): in bfloat16 on a CPU the fused decoder runs, where it can, a
+:class:`~specserve.kernels.cpu_decoder.CpuDecoder` over the kept layers only (it
+reads the target's bf16 weight tensors in place, and the compact draft cache), so
+a draft step costs (kept / all layers) of a target step; float32 runs torch, and on
+CUDA the draft steps replay CUDA graphs like draft_model's.  Choosing other layers
+builds a new draft (cache and decoder).  Calibration's forwards run torch.  Drafts
+are greedy (one-hot q), so strict and probabilistic verification stay exact.
 """
 
 from __future__ import annotations
@@ -72,7 +76,10 @@ class SkipModel(nn.Module):
     """The target's LlamaModel with some decoder layers skipped (shares every tensor).
 
     ``compact``: the KV cache it is given holds the kept layers only (in order);
-    otherwise it holds all layers and is addressed by the target's ids."""
+    otherwise it holds all layers and is addressed by the target's ids.  A compact
+    one also looks like a LlamaModel of the kept layers to the fused CPU decoder
+    (``a``, ``layers``, ``embed_tokens``, ``norm``, ``lm_head``, ``rotary``), whose
+    layer i is kept layer i and reads KV-cache layer i."""
 
     def __init__(self, base: nn.Module, skip: set[int] | frozenset[int] = frozenset(), compact: bool = True):
         super().__init__()
@@ -82,10 +89,31 @@ class SkipModel(nn.Module):
         self.set_skip(skip)
 
     def set_skip(self, skip: set[int] | frozenset[int]) -> None:
+        """Choose the skipped layers.  A fused decoder built over this model keeps
+        the old choice: build a new one (LayerSkipProposer builds a new draft)."""
         n = len(self.base.layers)
         self.skip = frozenset(skip)
         self.kept = [i for i in range(n) if i not in self.skip]
         self.slot = {i: j for j, i in enumerate(self.kept)} if self.compact else {i: i for i in range(n)}
+        if self.compact:  # what CpuDecoder reads: the kept layers, in cache order
+            self.a = dataclasses.replace(self.base.a, num_layers=len(self.kept))
+            self.layers = [self.base.layers[i] for i in self.kept]  # a list: the base owns the modules
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.base.embed_tokens
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.base.norm
+
+    @property
+    def lm_head(self) -> nn.Module | None:
+        return self.base.lm_head
+
+    @property
+    def rotary(self) -> Any:
+        return self.base.rotary
 
     def forward(self, input_ids, positions, meta, kv, aux_layer_ids=(), influence: list | None = None):
         b = self.base
@@ -180,13 +208,22 @@ class LayerSkipProposer:
             raise ConfigError("method.skip_ratio", f"{spec.skip_ratio} of {L} layers skips none; raise it")
 
     def _build(self, skip: list[int]) -> None:
+        """A new draft skipping ``skip``: its own compact KV cache and runner, which
+        (``engine.cpu_kernel``, as the target's) is the fused CPU decoder over the
+        kept layers in bf16 on a CPU where the kernel runs, else torch."""
         self.skip_layers = skip
         model = SkipModel(self.target.model, set(skip))
         e = self.ctx.engine
         self.inner = DraftModelProposer(
-            skip_loaded(self.target, model), self.k, self.ctx.num_kv_blocks, e.block_size, cpu_kernel="torch",
-            max_num_seqs=e.max_num_seqs, cuda_graphs=e.cuda_graphs != "off", max_step_tokens=e.max_num_batched_tokens,
+            skip_loaded(self.target, model), self.k, self.ctx.num_kv_blocks, e.block_size, cpu_kernel=e.cpu_kernel,
+            fused_max_tokens=e.cpu_fused_max_tokens, max_num_seqs=e.max_num_seqs, cuda_graphs=e.cuda_graphs != "off",
+            max_step_tokens=e.max_num_batched_tokens,
         )
+
+    @property
+    def fused(self) -> Any:
+        """The draft's fused CPU decoder (None: the draft runs torch, or no draft yet)."""
+        return self.inner.runner.fused if self.inner is not None else None
 
     def _calibrate_if_ready(self, requests: list[DraftRequest]) -> None:
         for r in requests:

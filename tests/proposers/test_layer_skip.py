@@ -1,7 +1,10 @@
 """layer_skip self-speculation: greedy output equal to plain decoding (fp32, tiny
 llama and qwen3 with explicit skipped layers, and with layers chosen by calibration),
 both KV caches freed, preemption, the calibration's choice logged, and one-line
-errors (skipping every layer, bad ids, a ratio of 1)."""
+errors (skipping every layer, bad ids, a ratio of 1).  In bf16 on the CPU (skipped
+where the fused kernel cannot run): the draft runs on a fused decoder over the kept
+layers (the target's weight tensors, the compact draft cache), greedy output equal
+to plain bf16 decoding, rebuilt for a new choice of layers."""
 
 from __future__ import annotations
 
@@ -108,6 +111,111 @@ def test_skip_ratio_of_one_is_refused(tiny_llama):
     with pytest.raises(ConfigError, match="method.skip_calibration_tokens"):
         tiny_config(tiny_llama, "layer_skip", k=3, skip_calibration_tokens=2)
     validate_config(tiny_config(tiny_llama, "layer_skip", k=3))
+
+
+# -- bf16 on the CPU: the draft runs on the fused CPU decoder over the kept layers --
+
+
+@pytest.fixture(scope="module")
+def fused_lib():
+    """Skip (with the reason) where the fused CPU decoder cannot run."""
+    from specserve.executor.loader import default_cache_dir
+    from specserve.kernels.cpu_decoder import KernelUnavailable, load_library
+
+    try:
+        return load_library(default_cache_dir())
+    except KernelUnavailable as e:
+        pytest.skip(f"fused CPU decoder unavailable here: {e}")
+
+
+def _bf16_config(model, method=None, cpu_kernel="fused", **kw):
+    cfg = tiny_config(model, method, **kw)
+    cfg.model.dtype = "bfloat16"
+    cfg.engine.cpu_kernel = cpu_kernel
+    cfg.engine.num_prediction_tokens = 0
+    return validate_config(cfg)
+
+
+def _bf16_plain(model, prompts):
+    eng = LLMEngine(_bf16_config(model))
+    assert eng.runner.fused is not None
+    return [o.token_ids for o in eng.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts])]
+
+
+def _count_calls(decoder) -> list[int]:
+    """Wrap decoder.forward with a call counter (the draft really ran on it)."""
+    calls = [0]
+    forward = decoder.forward
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return forward(*a, **kw)
+
+    decoder.forward = counted
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_fused_draft_greedy_equals_plain(fused_lib, tiny_model_dirs, prompts, arch):
+    """The fused path is batch invariant, so speculative greedy == plain greedy exactly."""
+    from specserve.kernels.cpu_decoder import CpuDecoder
+
+    model = tiny_model_dirs[arch]
+    ref = _bf16_plain(model, prompts)
+    eng = LLMEngine(_bf16_config(model, "layer_skip", k=3, skip_layers=[1]))
+    assert eng.runner.fused is not None  # the target is fused too
+    dec = eng.proposer.fused
+    assert isinstance(dec, CpuDecoder) and dec is eng.proposer.inner.runner.fused
+    assert dec.a.num_layers == 1 and dec._model.n_layers == 1
+    # the kept layer's weights are the target's tensors (nothing copied)
+    target = eng.target.model
+    assert dec._layers[0].wqkv == target.layers[0].qkv_proj.weight.data_ptr()
+    assert dec._layers[0].wdown == target.layers[0].down_proj.weight.data_ptr()
+    assert dec.embed.data_ptr() == target.embed_tokens.weight.data_ptr()
+    # ... and it reads the compact draft cache (layer 0 of one), not the target's
+    k_cache, _ = eng.proposer.inner.runner.kv.layer(0)
+    assert eng.proposer.inner.runner.kv.data.shape[0] == 1 and dec._layers[0].kcache == k_cache.data_ptr()
+    calls = _count_calls(dec)
+    outs = eng.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts])
+    _check(eng, outs, ref)
+    assert sum(o.spec.num_draft_tokens for o in outs) > 0
+    assert calls[0] > 0
+
+
+def test_bf16_calibration_builds_the_fused_draft(fused_lib, deep_llama, prompts):
+    """No draft before calibration; the chosen layers get a fused decoder of their own,
+    and choosing others (a re-calibration) builds a new one."""
+    ref = _bf16_plain(deep_llama, prompts)
+    eng = LLMEngine(_bf16_config(deep_llama, "layer_skip", k=4, skip_ratio=0.5, skip_calibration_tokens=40))
+    assert eng.proposer.fused is None
+    outs = eng.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts])
+    _check(eng, outs, ref)
+    first = eng.proposer.fused
+    assert first is not None and first.a.num_layers == 3
+    kept = [i for i in range(6) if i not in eng.proposer.skip_layers]
+    assert [first._layers[j].wqkv for j in range(3)] == [eng.target.model.layers[i].qkv_proj.weight.data_ptr()
+                                                        for i in kept]
+    eng.proposer._build([0, 5])  # what a new calibration does with its choice
+    second = eng.proposer.fused
+    assert second is not first and second.a.num_layers == 4
+    assert second._layers[0].wqkv == eng.target.model.layers[1].qkv_proj.weight.data_ptr()
+    calls = _count_calls(second)
+    outs = eng.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts])
+    _check(eng, outs, ref)
+    assert calls[0] > 0
+
+
+def test_bf16_torch_kernel_keeps_the_torch_draft(fused_lib, tiny_llama, prompts):
+    """engine.cpu_kernel=torch: the draft runs torch, like the target."""
+    eng = LLMEngine(_bf16_config(tiny_llama, "layer_skip", cpu_kernel="torch", k=3, skip_layers=[1]))
+    assert eng.runner.fused is None and eng.proposer.fused is None
+    outs = eng.generate(prompts[:2], [greedy(8) for _ in prompts[:2]])
+    assert eng.blocks.num_free == eng.blocks.num_blocks and all(len(o.token_ids) == 8 for o in outs)
+
+
+def test_fp32_draft_runs_torch(tiny_llama):
+    eng = LLMEngine(tiny_config(tiny_llama, "layer_skip", k=3, skip_layers=[1]))
+    assert eng.runner.fused is None and eng.proposer.fused is None
 
 
 @pytest.mark.slow
