@@ -31,7 +31,8 @@ The draft's data path is chosen like the target's (``engine.cpu_kernel``, throug
 reads the target's bf16 weight tensors in place, and the compact draft cache), so
 a draft step costs (kept / all layers) of a target step; float32 runs torch, and on
 CUDA the draft steps replay CUDA graphs like draft_model's.  Choosing other layers
-builds a new draft (cache and decoder).  Calibration's forwards run torch.  Drafts
+builds a new draft (cache and decoder).  Calibration's forwards run on the fused
+decoder too where the target's would (a decoder per candidate set), else torch.  Drafts
 are greedy (one-hot q), so strict and probabilistic verification stay exact.
 """
 
@@ -142,9 +143,14 @@ def skip_loaded(target: LoadedModel, model: SkipModel) -> LoadedModel:
 
 @torch.inference_mode()
 def calibrate(target: LoadedModel, sequences: list[list[int]], num_skip: int,
-              candidates: int = CANDIDATES) -> tuple[list[int], float]:
+              candidates: int = CANDIDATES, cpu_kernel: str = "torch",
+              fused_max_tokens: int | None = None) -> tuple[list[int], float]:
     """Greedy layer choice (module docstring): returns (skipped layer ids, sorted; the
-    draft's top-1 agreement with the full model over the sequences' positions)."""
+    draft's top-1 agreement with the full model over the sequences' positions).
+
+    ``cpu_kernel`` / ``fused_max_tokens`` (the engine's): where a ModelRunner of the
+    target would run the fused CPU decoder, the forwards run on it (a decoder over
+    each candidate's kept layers), else torch."""
     a = target.arch
     block = 16
     tables, start = [], 0
@@ -153,19 +159,25 @@ def calibrate(target: LoadedModel, sequences: list[list[int]], num_skip: int,
         tables.append(list(range(start, start + n)))
         start += n
     kv = KVCache(a.num_layers, start, block, a.num_kv_heads, a.head_dim, target.dtype, target.device)  # scratch
-    model = SkipModel(target.model, compact=False)
-    runner = ModelRunner(skip_loaded(target, model), kv, cpu_kernel="torch")
     batch = StepBatch.from_inputs([SeqInput(list(s), 0, t, list(range(len(s) - 1))) for s, t in zip(sequences, tables)],
                                   block)
-    meta, ids, pos = runner._metadata(batch)
-    rows = torch.tensor(batch.logits_rows, device=target.device)
+    fused = None
+    if fused_max_tokens is None or batch.num_tokens <= fused_max_tokens:  # the runner decides, as for the target
+        fused = ModelRunner(skip_loaded(target, SkipModel(target.model)), kv, cpu_kernel=cpu_kernel).fused
+    if fused is not None:
+        forward = _fused_forward(target, fused, kv, batch)
+    else:
+        model = SkipModel(target.model, compact=False)
+        runner = ModelRunner(skip_loaded(target, model), kv, cpu_kernel="torch")
+        meta, ids, pos = runner._metadata(batch)
+        rows = torch.tensor(batch.logits_rows, device=target.device)
 
-    def forward(skip: set[int]) -> tuple[torch.Tensor, list[tuple[int, float]]]:
-        """Teacher-forced argmax at every position and each kept layer's influence."""
-        model.set_skip(skip)
-        influence: list[tuple[int, float]] = []
-        hidden, _ = model(ids, pos, meta, kv, influence=influence)
-        return model.compute_logits(hidden[rows]).argmax(dim=-1), influence
+        def forward(skip: set[int]) -> tuple[torch.Tensor, list[tuple[int, float]]]:
+            """Teacher-forced argmax at every position and each kept layer's influence."""
+            model.set_skip(skip)
+            influence: list[tuple[int, float]] = []
+            hidden, _ = model(ids, pos, meta, kv, influence=influence)
+            return model.compute_logits(hidden[rows]).argmax(dim=-1), influence
 
     ref, influence = forward(set())
     skip: set[int] = set()
@@ -182,6 +194,35 @@ def calibrate(target: LoadedModel, sequences: list[list[int]], num_skip: int,
         agreement, chosen, influence = best
         skip.add(chosen)
     return sorted(skip), agreement
+
+
+def _fused_forward(target: LoadedModel, full: Any, kv: KVCache, batch: StepBatch):
+    """calibrate's forward on the fused CPU decoder: ``full`` (a decoder of all layers
+    over ``kv``) for the reference, one over the kept layers (compact, in the same
+    scratch cache) per candidate set.  A layer's input is the residual stream the
+    kernel reports entering it; its output is the next kept layer's input, or, for
+    the last one, the final-normed state divided by the norm's weight (the same
+    direction per token: the cosine ignores the RMS scale)."""
+    from specserve.kernels.cpu_decoder import CpuDecoder
+
+    qs = batch.query_start
+    info = [(qs[b], qs[b + 1] - qs[b], 0) for b in range(batch.num_seqs)]
+    rows = torch.tensor(batch.logits_rows, dtype=torch.int64)
+    w = target.model.norm.weight.detach().float()
+    w = torch.where(w == 0, torch.ones_like(w), w)
+
+    def forward(skip: set[int]) -> tuple[torch.Tensor, list[tuple[int, float]]]:
+        model = SkipModel(target.model, skip)
+        n = len(model.kept)
+        dec = full if not skip else CpuDecoder(full.lib, model, kv, target.max_model_len, use_amx=False)
+        hidden, aux = dec.forward(batch.token_ids, info, batch.block_tables, tuple(range(n)))
+        influence = []
+        for j, i in enumerate(model.kept):
+            y = aux[j + 1] if j + 1 < n else hidden / w
+            influence.append((i, float((1 - F.cosine_similarity(aux[j], y, dim=-1)).mean())))
+        return dec.logits(hidden[rows]).argmax(dim=-1), influence
+
+    return forward
 
 
 class LayerSkipProposer:
@@ -241,7 +282,9 @@ class LayerSkipProposer:
                 seqs.append(part)
                 budget -= len(part)
         t0 = time.perf_counter()
-        skip, agreement = calibrate(self.target, seqs, self.num_skip)
+        e = self.ctx.engine
+        skip, agreement = calibrate(self.target, seqs, self.num_skip, cpu_kernel=e.cpu_kernel,
+                                    fused_max_tokens=e.cpu_fused_max_tokens)
         self.agreement = agreement
         log.info(
             "layer_skip: calibrated on %d tokens of %d requests in %.1f s: skipping %d of %d layers %s; the "

@@ -205,6 +205,39 @@ def test_bf16_calibration_builds_the_fused_draft(fused_lib, deep_llama, prompts)
     assert calls[0] > 0
 
 
+def test_bf16_calibration_on_the_fused_decoder_matches_torch(fused_lib, deep_llama):
+    """Calibration's fused forwards measure what its torch forwards do: each kept
+    layer's influence (the last one's from the final-normed state) and the argmax."""
+    import torch
+
+    from specserve.executor.batch import SeqInput, StepBatch
+    from specserve.executor.kv_cache import KVCache
+    from specserve.executor.runner import ModelRunner
+    from specserve.proposers.layer_skip import _fused_forward, skip_loaded
+
+    target = load_model(str(deep_llama), "bfloat16", torch.device("cpu"))
+    seqs = random_prompts(4, seed=1, lo=12, hi=20)
+    a, block = target.arch, 16
+    kv = KVCache(a.num_layers, len(seqs) * 2, block, a.num_kv_heads, a.head_dim, target.dtype, target.device)
+    batch = StepBatch.from_inputs([SeqInput(list(s), 0, [2 * n, 2 * n + 1], list(range(len(s) - 1)))
+                                   for n, s in enumerate(seqs)], block)
+    full = ModelRunner(skip_loaded(target, SkipModel(target.model)), kv, cpu_kernel="fused").fused
+    fused = _fused_forward(target, full, kv, batch)
+    model = SkipModel(target.model, compact=False)
+    meta, ids, pos = ModelRunner(skip_loaded(target, model), kv, cpu_kernel="torch")._metadata(batch)
+    for skip in [set(), {2}, {1, 4}]:
+        pred, infl = fused(skip)
+        model.set_skip(skip)
+        ref_infl: list = []
+        hidden, _ = model(ids, pos, meta, kv, influence=ref_infl)
+        ref = model.compute_logits(hidden[torch.tensor(batch.logits_rows)]).argmax(dim=-1)
+        assert [i for i, _ in infl] == [i for i, _ in ref_infl] == model.kept
+        assert max(abs(x - y) for (_, x), (_, y) in zip(infl, ref_infl)) < 5e-3
+        assert float((pred == ref).float().mean()) >= 0.9  # bf16 rounding may flip a near tie
+    skip, agreement = calibrate(target, seqs, 2, cpu_kernel="fused")
+    assert len(skip) == 2 and 0.0 <= agreement <= 1.0
+
+
 def test_bf16_torch_kernel_keeps_the_torch_draft(fused_lib, tiny_llama, prompts):
     """engine.cpu_kernel=torch: the draft runs torch, like the target."""
     eng = LLMEngine(_bf16_config(tiny_llama, "layer_skip", cpu_kernel="torch", k=3, skip_layers=[1]))
