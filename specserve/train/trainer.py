@@ -90,12 +90,13 @@ def new_head(target: LoadedModel, cfg: TrainConfig, layer_ids: tuple[int, ...], 
             nn.init.normal_(lin.weight, std=0.02)
         if cfg.head.init == "target":
             # Start as "the target's own prediction at this position": fc passes the high
-            # layer's stream through, scaled to unit RMS (the final norm ignores the scale,
+            # layer's stream through, scaled down to unit RMS where it is larger (SmolLM2: 23;
+            # the final norm ignores the scale,
             # and the layer's own contributions are not drowned by the raw stream's
             # magnitude), and the final norm and LM head are the target's.
             H = c.hidden_size
             head.fc.weight.zero_()
-            head.fc.weight[:, 2 * H :] = torch.eye(H) / max(feat_rms, 1e-6)
+            head.fc.weight[:, 2 * H :] = torch.eye(H) / max(feat_rms, 1.0)  # large streams only
             head.lm_head.weight.copy_(target_lm_rows(target, vocab))
             head.norm.weight.copy_(target.model.norm.weight.float())
     head = head.to(device)
