@@ -581,19 +581,8 @@ static inline float dot_f32_bf16(const float *q, const bf16 *k, int hd) {
     return _mm512_reduce_add_ps(acc);
 }
 
-/* One (query token, head): softmax(q K^T * scale) V over keys [lo, hi] of a
-   sequence whose key j lives in slot bt[j / bs] * bs + j % bs. */
-static void attend_one(const float *q, const bf16 *kc, const bf16 *vc, int kv_stride, int g, int hd,
-                       const int32_t *bt, int bs, int lo, int hi, float scale, float *scores, float *acc,
-                       bf16 *out) {
-    const int n = hi - lo + 1;
-    float mx = -INFINITY;
-    for (int j = lo; j <= hi; j++) {
-        long slot = (long)bt[j / bs] * bs + j % bs;
-        float s = dot_f32_bf16(q, kc + slot * kv_stride + (long)g * hd, hd) * scale;
-        scores[j - lo] = s;
-        mx = s > mx ? s : mx;
-    }
+/* scores[i] = exp(scores[i] - mx) for i < n; returns their sum. */
+static inline float exp_shift_sum(float *scores, int n, float mx) {
     __m512 vmx = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
     int i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -606,18 +595,16 @@ static void attend_one(const float *q, const bf16 *kc, const bf16 *vc, int kv_st
         scores[i] = exp_scalar(scores[i] - mx);
         sum += scores[i];
     }
-    for (int d = 0; d < hd; d++) acc[d] = 0.0f;
-    for (int j = lo; j <= hi; j++) {
-        long slot = (long)bt[j / bs] * bs + j % bs;
-        const bf16 *v = vc + slot * kv_stride + (long)g * hd;
-        __m512 p = _mm512_set1_ps(scores[j - lo]);
-        int d = 0;
-        for (; d + 16 <= hd; d += 16)
-            _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(p, load_bf16x16(v + d), _mm512_loadu_ps(acc + d)));
-        for (; d < hd; d++) acc[d] += scores[j - lo] * bf16_to_f32(v[d]);
-    }
-    const float inv = 1.0f / sum;
-    for (int d = 0; d < hd; d++) out[d] = f32_to_bf16(acc[d] * inv);
+    return sum;
+}
+
+/* acc[0..hd) += p * v[0..hd). */
+static inline void axpy_bf16(float *acc, float p, const bf16 *v, int hd) {
+    __m512 vp = _mm512_set1_ps(p);
+    int d = 0;
+    for (; d + 16 <= hd; d += 16)
+        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(vp, load_bf16x16(v + d), _mm512_loadu_ps(acc + d)));
+    for (; d < hd; d++) acc[d] += p * bf16_to_f32(v[d]);
 }
 
 /* In-register transpose of a 16 x 16 matrix of 32-bit elements (row i in r[i]). */
@@ -771,19 +758,8 @@ static inline float dot_f32_bf16(const float *q, const bf16 *k, int hd) {
     return s;
 }
 
-/* One (query token, head): softmax(q K^T * scale) V over keys [lo, hi] of a
-   sequence whose key j lives in slot bt[j / bs] * bs + j % bs. */
-static void attend_one(const float *q, const bf16 *kc, const bf16 *vc, int kv_stride, int g, int hd,
-                       const int32_t *bt, int bs, int lo, int hi, float scale, float *scores, float *acc,
-                       bf16 *out) {
-    const int n = hi - lo + 1;
-    float mx = -INFINITY;
-    for (int j = lo; j <= hi; j++) {
-        long slot = (long)bt[j / bs] * bs + j % bs;
-        float s = dot_f32_bf16(q, kc + slot * kv_stride + (long)g * hd, hd) * scale;
-        scores[j - lo] = s;
-        mx = s > mx ? s : mx;
-    }
+/* scores[i] = exp(scores[i] - mx) for i < n; returns their sum. */
+static inline float exp_shift_sum(float *scores, int n, float mx) {
     __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -796,18 +772,16 @@ static void attend_one(const float *q, const bf16 *kc, const bf16 *vc, int kv_st
         scores[i] = exp_scalar(scores[i] - mx);
         sum += scores[i];
     }
-    for (int d = 0; d < hd; d++) acc[d] = 0.0f;
-    for (int j = lo; j <= hi; j++) {
-        long slot = (long)bt[j / bs] * bs + j % bs;
-        const bf16 *v = vc + slot * kv_stride + (long)g * hd;
-        __m256 p = _mm256_set1_ps(scores[j - lo]);
-        int d = 0;
-        for (; d + 8 <= hd; d += 8)
-            _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(p, load_bf16x8(v + d), _mm256_loadu_ps(acc + d)));
-        for (; d < hd; d++) acc[d] += scores[j - lo] * bf16_to_f32(v[d]);
-    }
-    const float inv = 1.0f / sum;
-    for (int d = 0; d < hd; d++) out[d] = f32_to_bf16(acc[d] * inv);
+    return sum;
+}
+
+/* acc[0..hd) += p * v[0..hd). */
+static inline void axpy_bf16(float *acc, float p, const bf16 *v, int hd) {
+    __m256 vp = _mm256_set1_ps(p);
+    int d = 0;
+    for (; d + 8 <= hd; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(vp, load_bf16x8(v + d), _mm256_loadu_ps(acc + d)));
+    for (; d < hd; d++) acc[d] += p * bf16_to_f32(v[d]);
 }
 
 /* In-register transpose of an 8 x 8 fp32 matrix (row i in r[i]). */
@@ -938,6 +912,29 @@ static inline __attribute__((always_inline)) void attend_group_hd(
         }
 }
 #endif
+
+/* One (query token, head): softmax(q K^T * scale) V over keys [lo, hi] of a
+   sequence whose key j lives in slot bt[j / bs] * bs + j % bs (either build's
+   dot_f32_bf16, exp_shift_sum and axpy_bf16). */
+static void attend_one(const float *q, const bf16 *kc, const bf16 *vc, int kv_stride, int g, int hd,
+                       const int32_t *bt, int bs, int lo, int hi, float scale, float *scores, float *acc,
+                       bf16 *out) {
+    float mx = -INFINITY;
+    for (int j = lo; j <= hi; j++) {
+        long slot = (long)bt[j / bs] * bs + j % bs;
+        float s = dot_f32_bf16(q, kc + slot * kv_stride + (long)g * hd, hd) * scale;
+        scores[j - lo] = s;
+        mx = s > mx ? s : mx;
+    }
+    const float sum = exp_shift_sum(scores, hi - lo + 1, mx);
+    for (int d = 0; d < hd; d++) acc[d] = 0.0f;
+    for (int j = lo; j <= hi; j++) {
+        long slot = (long)bt[j / bs] * bs + j % bs;
+        axpy_bf16(acc, scores[j - lo], vc + slot * kv_stride + (long)g * hd, hd);
+    }
+    const float inv = 1.0f / sum;
+    for (int d = 0; d < hd; d++) out[d] = f32_to_bf16(acc[d] * inv);
+}
 
 /* ------------------------------------------------------------------ forward */
 
