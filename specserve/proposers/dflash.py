@@ -40,11 +40,9 @@ from torch import Tensor, nn
 
 from specserve.config import SpeculativeConfig
 from specserve.errors import ConfigError, ModelLoadError
-from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.llama import ArchConfig, DecoderLayer, RMSNorm, Rotary, apply_rotary
-from specserve.kv_blocks import BlockManager
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
-from specserve.proposers.heads import DraftColumns, HeadSampler, fuse_layer, read_tensors
+from specserve.proposers.heads import DraftColumns, OwnCacheHead, fuse_layer, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +148,7 @@ class _State:
     block_table: list[int] = field(default_factory=list)
 
 
-class DFlashProposer:
+class DFlashProposer(OwnCacheHead):
     def __init__(self, ck: DFlashCheckpoint, target: Any, k: int, num_blocks: int, block_size: int,
                  probabilistic: bool, seed: int = 0):
         self.draft = ck.model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
@@ -162,11 +160,8 @@ class DFlashProposer:
         # the stream after layer l = the one entering l + 1 (num_layers: final-normed)
         self.aux_layer_ids = tuple(l + 1 for l in ck.target_layer_ids)
         a = ck.model.a
-        self.kv = KVCache(a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, target.dtype, target.device)
-        self.blocks = BlockManager(num_blocks, block_size)
+        self._init_cache(a.num_layers, a.num_kv_heads, a.head_dim, num_blocks, block_size, target, probabilistic, seed)
         self.bs = block_size
-        self.sampler = HeadSampler(probabilistic, target.arch.vocab_size, target.device, seed)
-        self.states: dict[str, _State] = {}
 
     def _slots(self, table: list[int], start: int, end: int) -> Tensor:
         pos = torch.arange(start, end)
@@ -244,14 +239,6 @@ class DFlashProposer:
             out.draw(logits[live, j], live, j)
         return out.proposal(drafts)
 
-    def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
-        """Nothing to roll back: context K/V are written for committed positions only."""
-
-    def remove(self, request_id: str) -> None:
-        st = self.states.pop(request_id, None)
-        if st is not None:
-            self.blocks.free(st.block_table)
-        self.sampler.forget(request_id)
 
 
 @register("dflash")

@@ -27,6 +27,8 @@ from torch import Tensor
 
 from specserve.executor.attention import AttentionMetadata, CausalGroup, build_padded_group
 from specserve.executor.batch import StepBatch
+from specserve.executor.kv_cache import KVCache
+from specserve.kv_blocks import BlockManager
 from specserve.proposers.base import Proposal
 from specserve.request import GREEDY_EPS
 from specserve.sampling.philox import philox_uniforms, random_seed, seed_to_int64
@@ -100,6 +102,29 @@ class DraftColumns:
     def proposal(self, drafts: list[list[int]]) -> Proposal:
         read_columns(drafts, self.columns)
         return Proposal(token_ids=drafts, probs=self.probs)
+
+
+class OwnCacheHead:
+    """Base of head proposers whose layers keep a paged KV cache of their own (mtp, dflash):
+    per request a state with a block table in ``self.blocks``, and a draft sampler.  Nothing
+    is rolled back after verification: K/V past the committed positions are rewritten by
+    the next round before anything reads them."""
+
+    def _init_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                    target, probabilistic: bool, seed: int) -> None:
+        self.kv = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, target.dtype, target.device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.sampler = HeadSampler(probabilistic, target.arch.vocab_size, target.device, seed)
+        self.states: dict = {}
+
+    def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
+        pass
+
+    def remove(self, request_id: str) -> None:
+        st = self.states.pop(request_id, None)
+        if st is not None:
+            self.blocks.free(st.block_table)
+        self.sampler.forget(request_id)
 
 
 def read_columns(drafts: list[list[int]], columns: list[tuple[list[int], Tensor]]) -> None:

@@ -48,12 +48,10 @@ from torch import Tensor, nn
 from specserve.config import SpeculativeConfig
 from specserve.errors import ConfigError
 from specserve.executor.batch import SeqInput, StepBatch
-from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel
 from specserve.executor.models.llama import DecoderLayer, RMSNorm
-from specserve.kv_blocks import BlockManager
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
-from specserve.proposers.heads import DraftColumns, HeadSampler, fuse_layer, narrow, read_tensors, step_metadata
+from specserve.proposers.heads import DraftColumns, OwnCacheHead, fuse_layer, narrow, read_tensors, step_metadata
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +145,7 @@ class _State:
     block_table: list[int] = field(default_factory=list)
 
 
-class MTPProposer:
+class MTPProposer(OwnCacheHead):
     def __init__(self, target: LoadedModel, layers: nn.ModuleList, k: int, num_blocks: int, block_size: int,
                  probabilistic: bool, seed: int = 0):
         self.target = target
@@ -158,11 +156,8 @@ class MTPProposer:
         self.block_size = block_size
         self.aux_layer_ids = (target.arch.num_layers,)  # the final-normed hidden state of every row
         a = target.arch
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.kv = KVCache(len(layers), num_blocks, block_size, a.num_kv_heads, a.head_dim, target.dtype, target.device)
+        self._init_cache(len(layers), a.num_kv_heads, a.head_dim, num_blocks, block_size, target, probabilistic, seed)
         self.window = a.sliding_window
-        self.sampler = HeadSampler(probabilistic, a.vocab_size, target.device, seed)
-        self.states: dict[str, _State] = {}
 
     def _logits(self, layer: MTPLayer, y: Tensor) -> Tensor:
         if layer.head is not None:
@@ -236,14 +231,6 @@ class MTPProposer:
             s += 1
         return out.proposal(drafts)
 
-    def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
-        """Nothing to roll back: the next round rewrites every position after the committed ones."""
-
-    def remove(self, request_id: str) -> None:
-        st = self.states.pop(request_id, None)
-        if st is not None:
-            self.blocks.free(st.block_table)
-        self.sampler.forget(request_id)
 
 
 @register("mtp")
