@@ -181,3 +181,27 @@ def _paged_kernel_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_
         sliding_window=a.window, max_query_len=a.max_query_len,
         max_seq_len=a.max_seq_len, num_splits=a.num_splits, scratch=a.scratch, impl=a.impl,
     )
+
+
+def batch_metadata(batch, block_size: int, device: torch.device, window: int | None = None,
+                   min_causal_len: int = 2) -> tuple[AttentionMetadata, Tensor]:
+    """(attention metadata, positions (T,)) for a forward over a ``StepBatch`` in a paged
+    cache: fresh sequences of at least ``min_causal_len`` new tokens (within the window)
+    attend causally among them; the others read their cached positions through a padded
+    group."""
+    causal: list[CausalGroup] = []
+    starts, lens, ctx, tables = [], [], [], []
+    qs = batch.query_start
+    for b, n_ctx in enumerate(batch.seq_lens):
+        s, n = qs[b], qs[b + 1] - qs[b]
+        if n_ctx == n and n >= min_causal_len and (window is None or n <= window):
+            causal.append(CausalGroup(start=s, length=n))
+        else:
+            starts.append(s)
+            lens.append(n)
+            ctx.append(n_ctx)
+            tables.append(batch.block_tables[b])
+    padded = build_padded_group(starts, lens, ctx, tables, block_size, window, device) if lens else None
+    meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
+                             causal=causal, padded=padded)
+    return meta, torch.tensor(batch.positions, dtype=torch.int64, device=device)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from specserve.config import CPU_KERNELS
 from specserve.errors import ConfigError
-from specserve.executor.attention import AttentionMetadata, CausalGroup, build_padded_group
+from specserve.executor.attention import AttentionMetadata, batch_metadata
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, default_cache_dir
@@ -97,30 +97,9 @@ class ModelRunner:
             return None
 
     def _metadata(self, batch: StepBatch) -> tuple[AttentionMetadata, Tensor, Tensor]:
-        bs = self.kv.block_size
-        window = self.loaded.arch.sliding_window
-        causal: list[CausalGroup] = []
-        pq_starts, pq_lens, p_ctx, p_tables = [], [], [], []
-        qs = batch.query_start
-        for b, ctx in enumerate(batch.seq_lens):
-            start_t, n = qs[b], qs[b + 1] - qs[b]
-            fresh = ctx == n and n >= self.min_causal_len and (window is None or n <= window)
-            if fresh:
-                causal.append(CausalGroup(start=start_t, length=n))
-            else:
-                pq_starts.append(start_t)
-                pq_lens.append(n)
-                p_ctx.append(ctx)
-                p_tables.append(batch.block_tables[b])
-        dev = self.device
-        padded = None
-        if pq_lens:
-            padded = build_padded_group(pq_starts, pq_lens, p_ctx, p_tables, bs, window, dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=dev), causal=causal, padded=padded
-        )
-        ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=dev)
-        return meta, ids, torch.tensor(batch.positions, dtype=torch.int64, device=dev)
+        meta, pos = batch_metadata(batch, self.kv.block_size, self.device, self.loaded.arch.sliding_window,
+                                   self.min_causal_len)
+        return meta, torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device), pos
 
     def forward(self, seqs: list[SeqInput], aux_layer_ids: tuple[int, ...] = ()) -> ForwardOutput:
         """Convenience for callers that think per sequence (the draft proposer, tests)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specserve.executor.attention import AttentionMetadata, CausalGroup, build_padded_group
+from specserve.executor.attention import AttentionMetadata, batch_metadata
 from specserve.executor.batch import StepBatch
 from specserve.executor.kv_cache import KVCache
 from specserve.kv_blocks import BlockManager
@@ -150,24 +150,8 @@ def narrow(active: list[int], want: list[int], step: int, *tensors: Tensor) -> t
 def head_metadata(batch: StepBatch, block_size: int, device: torch.device,
                   window: int | None = None) -> tuple[AttentionMetadata, Tensor]:
     """(attention metadata, positions (T,)) for a forward of a head over ``batch`` in its
-    own paged cache: fresh sequences attend causally among their new tokens; the others
-    read their cached positions through a padded group."""
-    causal: list[CausalGroup] = []
-    starts, lens, ctx, tables = [], [], [], []
-    qs = batch.query_start
-    for b, n_ctx in enumerate(batch.seq_lens):
-        s, n = qs[b], qs[b + 1] - qs[b]
-        if n_ctx == n and n >= 2 and (window is None or n <= window):
-            causal.append(CausalGroup(start=s, length=n))
-        else:
-            starts.append(s)
-            lens.append(n)
-            ctx.append(n_ctx)
-            tables.append(batch.block_tables[b])
-    padded = build_padded_group(starts, lens, ctx, tables, block_size, window, device) if lens else None
-    meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
-                             causal=causal, padded=padded)
-    return meta, torch.tensor(batch.positions, dtype=torch.int64, device=device)
+    own paged cache (``attention.batch_metadata``)."""
+    return batch_metadata(batch, block_size, device, window)
 
 
 def step_metadata(batch: StepBatch, block_size: int, device: torch.device,
