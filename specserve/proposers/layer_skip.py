@@ -49,6 +49,7 @@ from torch import nn
 
 from specserve.config import SpeculativeConfig
 from specserve.errors import ConfigError
+from specserve.executor.attention import batch_metadata
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel
@@ -168,8 +169,8 @@ def calibrate(target: LoadedModel, sequences: list[list[int]], num_skip: int,
         forward = _fused_forward(target, fused, kv, batch)
     else:
         model = SkipModel(target.model, compact=False)
-        runner = ModelRunner(skip_loaded(target, model), kv, cpu_kernel="torch")
-        meta, ids, pos = runner._metadata(batch)
+        meta, pos = batch_metadata(batch, block, target.device, target.arch.sliding_window)
+        ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=target.device)
         rows = torch.tensor(batch.logits_rows, device=target.device)
 
         def forward(skip: set[int]) -> tuple[torch.Tensor, list[tuple[int, float]]]:
