@@ -177,7 +177,8 @@ class LLMEngine:
         self.proposer: Proposer | None = proposer
         if spec is not None and proposer is None:
             ctx = ProposerContext(target=target, draft_model=cfg.draft, engine=e, num_kv_blocks=num_blocks,
-                                  kv=self.kv, blocks=self.blocks)
+                                  kv=self.kv, blocks=self.blocks,
+                                  cache_dir=Path(cfg.model.cache_dir) if cfg.model.cache_dir else None)
             self.proposer = build_proposer(spec, ctx)
             if spec.rejection_sample_method == "synthetic":
                 log.warning(

@@ -175,6 +175,50 @@ def matmul(lib: ctypes.CDLL, x: Tensor, w: Tensor, packed: Tensor | None = None,
     return y
 
 
+class FusedLinear(torch.nn.Module):
+    """A bf16 ``nn.Linear`` whose forward is the fused decoder's matmul (``ss_matmul``:
+    AVX2 / AVX512-BF16 GEMV with fp32 accumulation, AMX tiles where usable), for the
+    small networks that run beside the fused target (an EAGLE head's layer and LM
+    head): torch's own bf16 matmul on a CPU without native bf16 is several times
+    slower.  Inputs are rounded to bf16 (as the fused decoder's activations are);
+    the output is float32 with ``fp32_out`` (logits), else the input's dtype."""
+
+    def __init__(self, lib: ctypes.CDLL, linear: torch.nn.Linear, fp32_out: bool = False):
+        super().__init__()
+        self.lib = lib
+        self.fp32_out = fp32_out
+        w = linear.weight.detach().to(torch.bfloat16).contiguous()
+        self.weight = torch.nn.Parameter(w, requires_grad=False)
+        b = getattr(linear, "bias", None)
+        self.bias = None if b is None else torch.nn.Parameter(b.detach().float().contiguous(), requires_grad=False)
+        self.packed = pack_amx(lib, w) if amx_usable(lib) else None
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        M, N = x2.shape[0], self.out_features
+        y = torch.empty(M, N, dtype=torch.float32)
+        if M:
+            self.lib.ss_matmul(_ptr(x2), M, _ptr(self.weight), _ptr(self.packed), N, self.in_features,
+                               _ptr(self.bias), _ptr(y))
+        y = y.view(*lead, N)
+        return y if self.fp32_out else y.to(x.dtype)
+
+
+def fuse_linears(module: torch.nn.Module, lib: ctypes.CDLL, fp32_out: Sequence[str] = ()) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by a ``FusedLinear`` (names in
+    ``fp32_out`` return float32); returns how many were replaced."""
+    n = 0
+    for name, child in list(module.named_modules()):
+        for attr, sub in list(child.named_children()):
+            if type(sub) is torch.nn.Linear:
+                full = f"{name}.{attr}" if name else attr
+                setattr(child, attr, FusedLinear(lib, sub, fp32_out=full in fp32_out))
+                n += 1
+    return n
+
+
 class CpuDecoder:
     """The fused decoder for one bf16 ``LlamaModel`` and its KV cache."""
 

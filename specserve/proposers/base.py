@@ -83,6 +83,7 @@ class ProposerContext:
     # KV_LAYERS) and BlockManager (sequences' block tables); None where not built by an engine.
     kv: Any = None
     blocks: Any = None
+    cache_dir: Any = None  # model.cache_dir (where the fused CPU kernel library is built), None = default
 
 
 Factory = Callable[[SpeculativeConfig, ProposerContext], Proposer]

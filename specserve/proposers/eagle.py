@@ -228,6 +228,28 @@ def _head_kv(ctx: ProposerContext, head: EagleHead) -> tuple[Tensor, Tensor]:
     return own.layer(0)
 
 
+def _fuse_on_cpu(head: EagleHead, ctx: ProposerContext) -> None:
+    """In bf16 on a CPU, where the target runs on the fused decoder (``engine.cpu_kernel``
+    auto/fused, no tensor parallelism), the head's projections and LM head run on the
+    fused decoder's matmul too: torch's bf16 matmul without native bf16 is about 3x
+    slower, and the head's weights are most of a draft step."""
+    t = ctx.target
+    if t.device.type != "cpu" or t.dtype != torch.bfloat16 or getattr(t, "tp", None) is not None:
+        return
+    if ctx.engine.cpu_kernel not in ("auto", "fused"):
+        return
+    from specserve.executor.loader import default_cache_dir
+    from specserve.kernels.cpu_decoder import KernelUnavailable, fuse_linears, load_library
+
+    try:
+        lib = load_library(ctx.cache_dir or default_cache_dir())
+    except KernelUnavailable as e:
+        log.info("the head runs on torch (fused CPU kernel unavailable: %s)", e)
+        return
+    n = fuse_linears(head, lib, fp32_out=("lm_head",))
+    log.info("the head's %d projections run on the fused CPU kernel", n)
+
+
 def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
     path = spec.model or (ctx.draft_model.path if ctx.draft_model is not None else None)
     key = "method.model" if spec.model else "draft.path"
@@ -243,6 +265,7 @@ def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
     check_against_target(ck, ctx.target.arch, k, key)
     t = ctx.target
     head = build_head(ck, t.model, t.dtype, t.device, t.max_model_len + k + 1)
+    _fuse_on_cpu(head, ctx)
     blocks = getattr(ctx, "blocks", None)
     if blocks is None:
         raise ConfigError("method.method", f"{spec.method} needs the engine's block manager (ProposerContext.blocks)")

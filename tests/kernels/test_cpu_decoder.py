@@ -415,3 +415,64 @@ def test_isa_choice_and_library_names(monkeypatch):
     names = {cf.library_name(isa) for isa in cf.ISAS}
     assert len(names) == 2 and all(f"-{isa}-" in cf.library_name(isa) for isa in cf.ISAS)
     assert "-mavx512bf16" not in cf.AVX2_CFLAGS and "-mavx2" in cf.AVX2_CFLAGS
+
+
+def test_fused_linear_matches_torch_on_bf16_inputs(lib):
+    """FusedLinear (an EAGLE head's projections on the fused kernel) computes
+    F.linear of the bf16-rounded input with fp32 accumulation, for any leading shape,
+    with and without bias, with an empty batch; fuse_linears swaps only nn.Linear."""
+    from torch import nn
+
+    from specserve.kernels.cpu_decoder import FusedLinear, fuse_linears
+
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(100, 37, bias=True).to(torch.bfloat16)
+    x = torch.randn(2, 3, 100, generator=g).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+    out = FusedLinear(lib, lin)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, 37)
+    torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    f32 = FusedLinear(lib, lin, fp32_out=True)(x)
+    assert f32.dtype == torch.float32
+    torch.testing.assert_close(f32, want, rtol=1e-5, atol=1e-4)
+    no_bias = nn.Linear(100, 5, bias=False).to(torch.bfloat16)
+    torch.testing.assert_close(FusedLinear(lib, no_bias, fp32_out=True)(x[0]),
+                               x[0].float() @ no_bias.weight.float().T, rtol=1e-5, atol=1e-4)
+    assert FusedLinear(lib, lin)(x[:0]).shape == (0, 3, 37)
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4, bias=False))).to(torch.bfloat16)
+    assert fuse_linears(net, lib, fp32_out=("2.0",)) == 2
+    assert isinstance(net[0], FusedLinear) and isinstance(net[2][0], FusedLinear) and isinstance(net[1], nn.ReLU)
+    assert net(torch.randn(3, 8).to(torch.bfloat16)).dtype == torch.float32  # the last one returns fp32
+
+
+@pytest.mark.parametrize("oracle", [True, False], ids=["oracle-shared-lm-head", "random-own-lm-head"])
+def test_eagle3_head_on_the_fused_path_is_lossless(tmp_path, kcache, lib, oracle):
+    """bf16 on the fused path with an EAGLE-3 head: the head's projections run on the
+    fused kernel, speculative greedy output equals plain greedy output token for
+    token, drafts are accepted, and every KV block comes back."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "proposers"))
+    from eagle_heads import make_bigram_target, write_head
+    from engine_utils import greedy, random_prompts, run
+
+    from specserve.kernels.cpu_decoder import FusedLinear
+
+    target = make_bigram_target(tmp_path / "target", leak=0.05)
+    kw = {"oracle": True} if oracle else {"seed": 1, "draft_vocab": 96}
+    head = write_head(tmp_path / "head", "eagle3", aux_ids=[0, 1, 1], **kw)
+    prompts = random_prompts(6, seed=3)
+    want = run(_bf16_engine(target, kcache), prompts, [greedy(24) for _ in prompts])
+    eng = _bf16_engine(target, kcache, "eagle3", k=3, draft_dir=head)
+    assert eng.runner.fused is not None
+    h = eng.proposer.head
+    assert isinstance(h.fc, FusedLinear) and isinstance(h.layer.qkv_proj, FusedLinear)
+    assert (h.lm_head is None) == oracle and (oracle or isinstance(h.lm_head, FusedLinear))
+    outs = eng.generate(prompts, [greedy(24) for _ in prompts])
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.spec.num_draft_tokens for o in outs) > 0
+    if oracle:
+        assert sum(o.spec.num_accepted_tokens for o in outs) > 0
+    assert eng.blocks.num_free == eng.blocks.num_blocks
