@@ -130,7 +130,10 @@ class SpecController:
     def _best(self, bucket: int, batch_size: int) -> int:
         base = self._cost(bucket, 1)
         if base is None:
-            return self.k_max  # nothing measured yet: speculate and learn
+            # Nothing measured yet: speculate and learn.  Once a K step is measured, one
+            # plain step measures the base cost (without graph timings, as on the CPU,
+            # nothing else would ever measure it and K would stay fixed).
+            return 0 if self._cost_known(bucket, self.k_max + 1) else self.k_max
         best_k, best_rate = 0, batch_size / (base + self._propose(0))
         for k in self.candidates:
             cost = self._cost(bucket, k + 1)
@@ -141,9 +144,22 @@ class SpecController:
                 best_k, best_rate = k, rate
         return best_k
 
+    def _cost_known(self, bucket: int, q: int) -> bool:
+        ema = self.step_cost.get((bucket, q))
+        return ema is not None and ema.value is not None
+
     def _propose(self, k: int) -> float:
+        """Measured cost of proposing k drafts; an unmeasured k is interpolated linearly
+        between the nearest measured k below and above it (drafting is k steps of the
+        same work), else the largest measured cost (0 for k = 0)."""
         ema = self.propose_cost.get(k)
         if ema is not None and ema.value is not None:
             return ema.value
-        known = [e.value for kk, e in self.propose_cost.items() if kk > 0 and e.value is not None]
-        return 0.0 if k == 0 or not known else max(known)
+        known = {kk: e.value for kk, e in self.propose_cost.items() if e.value is not None}
+        below = [kk for kk in known if kk < k]
+        above = [kk for kk in known if kk > k]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo)
+        rest = [v for kk, v in known.items() if kk > 0]
+        return 0.0 if k == 0 or not rest else max(rest)

@@ -58,3 +58,23 @@ def test_online_costs_learned_from_observed_steps():
         c.observe_step(4, 3, 0.013, 0.002)
     assert c.choose(4) == 0
     assert bucket_of(3) == 4 and bucket_of(4) == 4 and bucket_of(5) == 8
+
+
+def test_without_seeded_costs_a_plain_step_is_measured_then_cheaper_k_are_tried():
+    """The CPU case (no graph timings): after K steps are measured, one plain step
+    measures the base cost; unmeasured k are then assumed to cost what q=1 costs, so
+    they get tried, and a weak drafter settles on the k that measures best."""
+    c = SpecController(4, adaptive=True)
+    c.reached, c.accepted = [100.0] * 4, [40.0, 12.0, 4.0, 1.0]  # acceptance falls off quickly
+    assert c.choose(1) == 4
+    c.observe_step(1, 5, 0.050, 0.012)  # a K=4 step: verification 50 ms, proposing 12 ms
+    assert c.choose(1) == 0  # the base cost is unknown: measure it
+    c.observe_step(1, 1, 0.030, 0.003)
+    tried = set()
+    for _ in range(12):
+        k = c.choose(1)
+        tried.add(k)
+        c.observe_step(1, k + 1, 0.030 + 0.002 * k, 0.003 + 0.002 * k)
+    assert tried - {0, 4}  # cheaper k were tried once their cost was only assumed
+    rates = {k: c.expected_tokens(k) / (0.030 + 0.002 * k + 0.003 + 0.002 * k) for k in range(5)}
+    assert c.choose(1) == max(rates, key=rates.get)
