@@ -120,6 +120,16 @@ def ttt_loss(head: EagleHead, batch: Batch, target_lm: Tensor, steps: int, step_
     dev = batch.feats.device
     first = 0 if loss_on_prompt else max(int(batch.prompt_len.min()) - 1 - steps, 0)
     total = torch.zeros((), device=dev)
+    # The target's distribution at every position some step is trained against, computed
+    # once (step j of row t reads position t + 1 + j: the same positions recur across steps).
+    q = torch.arange(T, device=dev)[None, :]
+    need = (q < batch.n[:, None]) & (q >= 1)
+    if not loss_on_prompt:
+        need &= (q + 1) >= batch.prompt_len[:, None]
+    bq, rq = need.nonzero(as_tuple=True)
+    target_p = torch.zeros(B, T, target_lm.shape[0], device=dev)
+    with torch.no_grad():
+        target_p[bq, rq] = torch.softmax(batch.final[bq, rq].float() @ target_lm.T, dim=-1)
     losses, agree = [], []
     for j, (t0, out) in enumerate(unroll(head, batch, steps, first)):
         t = torch.arange(t0, T, device=dev)
@@ -134,9 +144,7 @@ def ttt_loss(head: EagleHead, batch: Batch, target_lm: Tensor, steps: int, step_
             continue
         pos = r + t0
         logits = head.logits(out[b, r])  # (N, Vd) float32
-        with torch.no_grad():
-            target_logp = F.log_softmax(batch.final[b, pos + 1 + j].float() @ target_lm.T, dim=-1)  # (N, Vd)
-        ce = -(target_logp.exp() * F.log_softmax(logits, dim=-1)).sum(-1)  # (N,)
+        ce = -(target_p[b, pos + 1 + j] * F.log_softmax(logits, dim=-1)).sum(-1)  # (N,)
         loss_j = ce.mean()
         total = total + (step_weight**j) * loss_j
         with torch.no_grad():
