@@ -22,6 +22,11 @@ step needs those blocks anyway).  Rollback is free: after verification the
 head's real rows end where the target's committed positions end, and the next
 round overwrites every position after them (draft-written K/V included).
 
+CUDA: the K draft steps of a greedy round replay one CUDA graph per batch bucket
+(``head_graphs.HeadDraftGraphs``); the consuming forward, whose row count varies,
+runs eagerly.  CPU in bf16: the head's projections and LM head run on the fused
+decoder's matmul (``kernels.cpu_decoder.FusedLinear``).
+
 Drafts: greedy (argmax of the head) for greedy requests and with strict
 verification.  With ``rejection_sample_method=probabilistic`` a sampled
 request's drafts are drawn from q = the head's distribution under the
@@ -47,6 +52,7 @@ from specserve.executor.eagle_loader import build_head, check_against_target, re
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.eagle import EagleHead
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.proposers.head_graphs import HeadDraftGraphs
 from specserve.proposers.heads import head_metadata, narrow, read_columns, step_metadata
 from specserve.request import GREEDY_EPS
 from specserve.sampling.philox import philox_uniforms, random_seed, seed_to_int64
@@ -67,8 +73,11 @@ class _HeadState:
 
 class EagleProposer:
     def __init__(self, head: EagleHead, k: int, kv: tuple[Tensor, Tensor], block_size: int, blocks, *,
-                 probabilistic: bool = False, seed: int = 0):
+                 probabilistic: bool = False, seed: int = 0, trash_slot: int | None = None):
         self.head = head
+        self.trash_slot = trash_slot  # the head cache's padding slot (for static drafting)
+        # The K draft steps over persistent buffers (CUDA graphs per batch bucket); None: eager.
+        self.static: HeadDraftGraphs | None = None
         self.k = k
         self.kv = kv
         self.block_size = block_size
@@ -80,6 +89,18 @@ class EagleProposer:
         self.vocab_size = head.c.vocab_size
         self.states: dict[str, _HeadState] = {}
         self.seed_generator = torch.Generator().manual_seed(seed ^ 0x5EED)
+
+    def enable_static(self, max_num_seqs: int, max_seq_len: int, impl: str = "auto",
+                      use_graphs: bool | None = None) -> HeadDraftGraphs:
+        """Draft greedy rounds from persistent buffers (``head_graphs``), captured as CUDA
+        graphs on CUDA (on the CPU: the same loop, eagerly; tests)."""
+        if self.trash_slot is None:
+            raise ValueError("static drafting needs the head cache's trash slot")
+        self.static = HeadDraftGraphs(self.head, self.kv, block_size=self.block_size, trash_slot=self.trash_slot,
+                                      k=self.k, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, impl=impl,
+                                      use_graphs=use_graphs)
+        self.static.capture()
+        return self.static
 
     # ------------------------------------------------------------ proposing
     @torch.inference_mode()
@@ -130,6 +151,11 @@ class EagleProposer:
         """K autoregressive steps from the last real row of each drafting request; the
         tokens stay on the device until the end (one read per column)."""
         sampler = self._sampling(requests, drafting)
+        if sampler is None and self.static is not None and len(drafting) <= self.static.max_num_seqs:
+            rows = [(last, want, table) for _, want, last, table in drafting]
+            for (i, *_), d in zip(drafting, self.static.draft(hidden, rows)):
+                drafts[i] = d
+            return Proposal(token_ids=drafts)
         probs = None
         if sampler is not None:  # (B, K, V) draft distributions for the rejection sampler
             probs = torch.zeros(len(requests), max(w for _, w, _, _ in drafting), self.vocab_size,
@@ -212,20 +238,20 @@ class EagleProposer:
         self.states.pop(request_id, None)
 
 
-def _head_kv(ctx: ProposerContext, head: EagleHead) -> tuple[Tensor, Tensor]:
+def _head_kv(ctx: ProposerContext, head: EagleHead) -> tuple[tuple[Tensor, Tensor], int]:
     """The head's cache layer: the engine's extra layer when its shape fits, else a
     one-layer cache of its own with the same blocks (slot ids are shared either way)."""
     a, c = ctx.target.arch, head.c
     kv = getattr(ctx, "kv", None)
     layers = kv.data.shape[0] if kv is not None else 0
     if kv is not None and layers > a.num_layers and (c.num_kv_heads, c.head_dim) == (a.num_kv_heads, a.head_dim):
-        return kv.layer(a.num_layers)
+        return kv.layer(a.num_layers), kv.trash_slot
     log.warning("the head's attention shape (%d kv heads x %d) differs from the target's: its KV cache is a "
                 "separate one-layer cache of %d blocks, outside the engine's KV budget", c.num_kv_heads, c.head_dim,
                 ctx.num_kv_blocks)
     own = KVCache(1, ctx.num_kv_blocks, ctx.engine.block_size, c.num_kv_heads, c.head_dim, ctx.target.dtype,
                   ctx.target.device)
-    return own.layer(0)
+    return own.layer(0), own.trash_slot
 
 
 def _fuse_on_cpu(head: EagleHead, ctx: ProposerContext) -> None:
@@ -271,10 +297,14 @@ def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
         raise ConfigError("method.method", f"{spec.method} needs the engine's block manager (ProposerContext.blocks)")
     log.info("%s head from %s (%s layout): target layers %s, draft vocabulary %d of %d", spec.method, ck.path,
              ck.layout, list(ck.config.aux_layer_ids), ck.config.draft_vocab_size, ck.config.vocab_size)
-    return EagleProposer(
-        head, k, _head_kv(ctx, head), ctx.engine.block_size, blocks,
-        probabilistic=spec.rejection_sample_method == "probabilistic", seed=ctx.engine.seed,
+    kv, trash = _head_kv(ctx, head)
+    proposer = EagleProposer(
+        head, k, kv, ctx.engine.block_size, blocks,
+        probabilistic=spec.rejection_sample_method == "probabilistic", seed=ctx.engine.seed, trash_slot=trash,
     )
+    if t.device.type == "cuda" and getattr(t, "tp", None) is None and ctx.engine.cuda_graphs != "off":
+        proposer.enable_static(ctx.engine.max_num_seqs, t.max_model_len)  # the K draft steps as CUDA graphs
+    return proposer
 
 
 register("eagle", kv_layers=1)(build_eagle)

@@ -1,0 +1,164 @@
+"""An EAGLE head's K draft steps over persistent buffers, captured as CUDA graphs.
+
+After the head has consumed the rows the target just committed (an eager forward:
+its row count varies), drafting is K steps of fixed shape per batch: logits and
+argmax of the head's hidden state, then (for steps 1..K-1) one head forward of
+one token per sequence at the next position.  ``HeadDraftGraphs`` runs those K
+steps from static buffers, so the whole loop is one graph per batch bucket
+(1, 2, 4, ..., max_num_seqs), like the target's decode steps
+(``executor.static_runner``):
+
+* the host stages, per drafting sequence, its last real position, how many
+  drafts it wants and its block table into ONE int32 buffer, moved to the
+  device by ONE copy; the hidden states are copied device to device;
+* on the device, step s (1-based) of row b runs at position base_b + s: its
+  cache slot is looked up in the staged block table, or is the cache's trash
+  slot where the row wants fewer than s + 1 drafts (the sequence has no block
+  there) and for the bucket's padding rows; attention is the paged kernel over
+  the block tables (``PagedKernelArgs``), with the context length clamped to
+  one position for those rows so nothing reads past a table;
+* the K draft tokens (target ids) land in a (B, K) buffer: the round's one read.
+
+Greedy drafts only: a round where some request samples its drafts from q
+(probabilistic verification) runs the eager loop.  On the CPU the same loop
+runs eagerly with the kernel's torch twin (tests check it equals the eager
+proposer and compiles with ``torch.compile(fullgraph=True)``, i.e. no host
+synchronisation or data-dependent shape).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import Tensor
+
+from specserve.executor.attention import AttentionMetadata, PagedKernelArgs
+from specserve.executor.static_runner import batch_buckets
+
+log = logging.getLogger(__name__)
+
+
+class HeadDraftGraphs:
+    def __init__(self, head, kv: tuple[Tensor, Tensor], *, block_size: int, trash_slot: int, k: int,
+                 max_num_seqs: int, max_seq_len: int, impl: str = "auto", use_graphs: bool | None = None):
+        self.head = head
+        self.kv = kv
+        self.block_size = block_size
+        self.trash_slot = trash_slot
+        self.k = k
+        self.max_num_seqs = max_num_seqs
+        self.max_seq_len = max_seq_len + k + 1  # drafting reads up to K - 1 positions past a sequence's end
+        self.max_blocks = -(-self.max_seq_len // block_size) + 1
+        self.buckets = batch_buckets(max_num_seqs)
+        self.impl = impl
+        p = next(head.parameters())
+        self.device = p.device
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError("use_graphs: CUDA graphs need a CUDA device")
+        B = max_num_seqs
+        n = 2 * B + B * self.max_blocks
+        self.host = torch.zeros(n, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self.h = self.host.numpy()
+        self.dev_buf = self.host if self.device.type == "cpu" else torch.zeros_like(self.host, device=self.device)
+        self.base = self.dev_buf[:B]  # last real position of each row (its head row is the hidden state below)
+        self.want = self.dev_buf[B : 2 * B]  # drafts each row wants (0: padding)
+        self.tables = self.dev_buf[2 * B :].view(B, self.max_blocks)
+        self.hidden = torch.zeros(B, head.c.hidden_size, dtype=p.dtype, device=self.device)
+        self.query_start = torch.arange(B + 1, dtype=torch.int32, device=self.device)
+        self.drafts = torch.zeros(B, k, dtype=torch.int64, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0
+
+    # ------------------------------------------------------------------ device side
+    def loop_fn(self, num_seqs: int) -> Tensor:
+        """The K draft steps for the first ``num_seqs`` rows of the static buffers:
+        shapes fixed by ``num_seqs`` only.  Returns the (num_seqs, K) drafts buffer."""
+        head, bs = self.head, self.block_size
+        B = num_seqs
+        hidden = self.hidden[:B]
+        base = self.base[:B].long()
+        want = self.want[:B].long()
+        tables = self.tables[:B]
+        for s in range(self.k):
+            tokens = head.to_target_ids(head.logits(hidden).argmax(dim=-1))
+            self.drafts[:B, s].copy_(tokens)
+            if s == self.k - 1:
+                break
+            live = want > s + 1  # this row's next draft needs this step's K/V
+            pos = base + (s + 1)
+            col = torch.clamp(pos // bs, max=self.max_blocks - 1).unsqueeze(1)
+            block = tables.gather(1, col).squeeze(1).long()
+            slots = torch.where(live, block * bs + pos % bs, torch.full_like(pos, self.trash_slot))
+            seq_lens = torch.where(live, pos + 1, torch.ones_like(pos)).to(torch.int32)
+            kargs = PagedKernelArgs(
+                block_tables=tables, query_start=self.query_start[: B + 1], seq_lens=seq_lens, block_size=bs,
+                max_query_len=1, max_seq_len=self.max_seq_len, impl=self.impl,
+            )
+            meta = AttentionMetadata(slot_mapping=slots, kernel=kargs)
+            hidden = head(tokens, hidden, torch.where(live, pos, torch.zeros_like(pos)), meta, self.kv)
+        return self.drafts[:B]
+
+    # ------------------------------------------------------------------ host side
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _stage(self, rows: list[tuple[int, int, list[int]]], bucket: int) -> None:
+        """rows: (last real position, drafts wanted, block table) per drafting sequence;
+        the bucket's padding rows want nothing."""
+        B, h = self.max_num_seqs, self.h
+        tables = h[2 * B :].reshape(B, self.max_blocks)
+        for i, (base, want, table) in enumerate(rows):
+            h[i], h[B + i] = base, want
+            tables[i, : len(table)] = table
+            tables[i, len(table) :] = 0
+        n = len(rows)
+        h[n:bucket] = 0
+        h[B + n : B + bucket] = 0
+        tables[n:bucket] = 0
+        if self.dev_buf is not self.host:
+            self.dev_buf.copy_(self.host, non_blocking=True)
+
+    @torch.inference_mode()
+    def draft(self, hidden: Tensor, rows: list[tuple[int, int, list[int]]]) -> list[list[int]]:
+        """Drafts (target ids) per row from the head's hidden states (len(rows), H) of
+        each row's last real position; row i gets its own number of drafts."""
+        n = len(rows)
+        bucket = self.bucket_for(n)
+        if bucket is None:
+            raise ValueError(f"{n} drafting sequences exceed the head's buffers ({self.max_num_seqs})")
+        self._stage(rows, bucket)
+        self.hidden[:n].copy_(hidden)
+        if bucket > n:
+            self.hidden[n:bucket].zero_()
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+            out = self.drafts[:n]
+        else:
+            out = self.loop_fn(bucket)[:n]
+        return [d[:w] for d, (_, w, _) in zip(out.tolist(), rows)]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """One graph per batch bucket, largest first (smaller ones reuse the pool).
+        The dummy rows want nothing: every K/V write goes to the trash slot."""
+        if not self.use_graphs:
+            return
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in sorted(self.buckets, reverse=True):
+            self._stage([], bucket)
+            for _ in range(2):  # warm up (Triton compiles, cuBLAS picks kernels) outside capture
+                self.loop_fn(bucket)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.loop_fn(bucket)
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured the head's %d draft steps as %d CUDA graphs (batch buckets %s) in %.1f s", self.k,
+                 len(self.graphs), self.buckets, self.capture_s)
