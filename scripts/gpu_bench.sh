@@ -8,6 +8,7 @@
 #   SmolLM2 bf16 vanilla + ngram at c1 (with transformers baselines), c16 and c64;
 #   fp32 ngram losslessness (greedy_match vs plain decoding and transformers);
 #   draft_model (SmolLM2 drafting for itself) bf16 c1;
+#   eagle3 (the shipped head; its K draft steps replay CUDA graphs) bf16 c1, K=4 (issue #11: >= 2x vanilla);
 #   a seeded random 1.2B Llama (hidden 2048, 16 layers, 32/8 heads, SmolLM2 vocabulary) vanilla c1.
 # Each writes JSON under $OUT (default results/gpu/) with a per-step breakdown (wall vs
 # device time, kernels per step) of a decode and a verification step; then a summary table
@@ -35,6 +36,7 @@ bench smol-ngram-bf16-c64 +method=ngram model.dtype=bfloat16 bench.concurrency=6
     bench.num_prompts=128 'bench.baselines=[specserve_vanilla]'
 bench smol-ngram-fp32-c1 +method=ngram model.dtype=float32
 bench smol-draft-bf16-c1 +method=draft_model "draft.path=$MODEL" model.dtype=bfloat16 method.num_speculative_tokens=4
+bench smol-eagle3-bf16-c1 +method=eagle3 draft=smollm2-135m-eagle3 model.dtype=bfloat16 method.num_speculative_tokens=4 engine.speculation=fixed
 if [ "${SKIP_1B:-0}" != 1 ]; then
     L1B=${L1B:-/tmp/specserve-llama-1.2b}
     [ -f "$L1B/model.safetensors" ] || $PY scripts/make_random_llama.py --out "$L1B" --tokenizer "$MODEL"

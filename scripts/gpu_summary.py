@@ -45,6 +45,11 @@ def main() -> None:
               ">= 0.95", lambda x: x >= 0.95)
     check("draft_model (self) bf16 c1 / vanilla", draft and draft["ratios"].get("specserve_over_specserve_vanilla"),
           "(report)", lambda x: True)
+    e3 = load(d, "smol-eagle3-bf16-c1")
+    check("eagle3 bf16 c1 / vanilla (issue #11)", e3 and e3["ratios"].get("specserve_over_specserve_vanilla"),
+          ">= 2", lambda x: x >= 2)
+    check("eagle3 mean acceptance length (K=4)", e3 and e3["runs"]["specserve"].get("mean_acceptance_length"),
+          "(report)", lambda x: True)
     print("| figure | measured | target | met |\n|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
