@@ -44,7 +44,7 @@ def _heads(root, target):
     return {
         "eagle3": write_head(root / "e3", "eagle3", oracle=True, aux_ids=[0, 1, 1], draft_vocab=300,
                              target_lm_head=lm),
-        "eagle3-shared": write_head(root / "e3s", "eagle3", seed=2, aux_ids=[0, 1, 1]),
+        "eagle3-full-vocab": write_head(root / "e3s", "eagle3", seed=2, aux_ids=[0, 1, 1]),
         "eagle": write_head(root / "e1", "eagle", oracle=True),
     }
 
@@ -59,7 +59,7 @@ def _engine(target, head, method, static: bool) -> LLMEngine:
     return eng
 
 
-@pytest.mark.parametrize("name", ["eagle3", "eagle3-shared", "eagle"])
+@pytest.mark.parametrize("name", ["eagle3", "eagle3-full-vocab", "eagle"])
 def test_static_drafting_equals_the_eager_loop(root, target, name):
     head = _heads(root, target)[name]
     method = "eagle" if name == "eagle" else "eagle3"
@@ -89,7 +89,7 @@ def test_static_drafting_equals_the_eager_loop(root, target, name):
             assert any(w < K for rows in calls for _, w, _ in rows)  # a row near max_model_len
     assert proposals[True] == proposals[False]  # every draft of every round
     assert runs[True] == runs[False]
-    assert sum(a for _, _, a in runs[True]) > 0 or name == "eagle3-shared"
+    assert sum(a for _, _, a in runs[True]) > 0 or name == "eagle3-full-vocab"
 
 
 @pytest.mark.timeout(600)
