@@ -56,21 +56,27 @@ class StepResult:
     aux: dict[int, Tensor]  # layer id -> (T, H) residual stream entering that layer (T >= batch tokens)
 
 
-class _Layout:
-    """Offsets of each field in the int32 staging buffer."""
+class StagingBuffer:
+    """Named int32 fields packed in ONE host buffer (pinned on CUDA) and its device twin
+    (the same buffer on the CPU): the host writes the fields through numpy views
+    (``h``), the device reads tensor views (``d``), and ``upload`` is the one
+    host -> device copy between them."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int):
-        sizes = [("ids", max_tokens), ("pos", max_tokens), ("slots", max_tokens), ("rows", max_tokens),
-                 ("qs", max_seqs + 1), ("lens", max_seqs), ("tables", max_seqs * max_blocks)]  # fmt: skip
-        self.offsets: dict[str, tuple[int, int]] = {}
+    def __init__(self, sizes: list[tuple[str, int]], device: torch.device):
+        total = sum(n for _, n in sizes)
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.dev = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+        self.h: dict[str, np.ndarray] = {}
+        self.d: dict[str, Tensor] = {}
         at = 0
         for name, n in sizes:
-            self.offsets[name] = (at, n)
+            self.h[name] = self.host[at : at + n].numpy()
+            self.d[name] = self.dev[at : at + n]
             at += n
-        self.total = at
 
-    def views(self, buf: Tensor) -> dict[str, Tensor]:
-        return {name: buf[a : a + n] for name, (a, n) in self.offsets.items()}
+    def upload(self) -> None:
+        if self.dev is not self.host:
+            self.dev.copy_(self.host, non_blocking=True)
 
 
 class StaticStepRunner:
@@ -104,14 +110,10 @@ class StaticStepRunner:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("use_graphs: CUDA graphs need a CUDA device")
-        self.layout = _Layout(self.max_tokens, max_num_seqs, self.max_blocks)
-        pin = self.device.type == "cuda"
-        self.host = torch.zeros(self.layout.total, dtype=torch.int32, pin_memory=pin)
-        self.host_np = self.host.numpy()
-        self.h = self.layout.views(self.host)
-        self.h_np = {k: v.numpy() for k, v in self.h.items()}
-        self.dev_buf = self.host if self.device.type == "cpu" else torch.zeros_like(self.host, device=self.device)
-        self.d = self.layout.views(self.dev_buf)
+        B, T = max_num_seqs, self.max_tokens
+        self.staging = StagingBuffer([("ids", T), ("pos", T), ("slots", T), ("rows", T), ("qs", B + 1),
+                                      ("lens", B), ("tables", B * self.max_blocks)], self.device)
+        self.h_np, self.d = self.staging.h, self.staging.d
         self.tables = self.d["tables"].view(max_num_seqs, self.max_blocks)
         self.h_tables = self.h_np["tables"].reshape(max_num_seqs, self.max_blocks)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, StepResult]] = {}
@@ -142,8 +144,7 @@ class StaticStepRunner:
             self.h_tables[b, : len(table)] = table
 
     def _upload(self) -> None:
-        if self.dev_buf is not self.host:
-            self.dev_buf.copy_(self.host, non_blocking=True)  # the step's one host -> device copy
+        self.staging.upload()  # the step's one host -> device copy
 
     # ------------------------------------------------------------------ device side
     def _num_splits(self, num_seqs: int, q: int) -> int:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from specserve.executor.attention import AttentionMetadata, PagedKernelArgs
-from specserve.executor.static_runner import batch_buckets
+from specserve.executor.static_runner import StagingBuffer, batch_buckets
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +59,10 @@ class HeadDraftGraphs:
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("use_graphs: CUDA graphs need a CUDA device")
         B = max_num_seqs
-        n = 2 * B + B * self.max_blocks
-        self.host = torch.zeros(n, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        self.h = self.host.numpy()
-        self.dev_buf = self.host if self.device.type == "cpu" else torch.zeros_like(self.host, device=self.device)
-        self.base = self.dev_buf[:B]  # last real position of each row (its head row is the hidden state below)
-        self.want = self.dev_buf[B : 2 * B]  # drafts each row wants (0: padding)
-        self.tables = self.dev_buf[2 * B :].view(B, self.max_blocks)
+        self.staging = StagingBuffer([("base", B), ("want", B), ("tables", B * self.max_blocks)], self.device)
+        self.base = self.staging.d["base"]  # last real position of each row (its head row is the hidden state below)
+        self.want = self.staging.d["want"]  # drafts each row wants (0: padding)
+        self.tables = self.staging.d["tables"].view(B, self.max_blocks)
         self.hidden = torch.zeros(B, head.c.hidden_size, dtype=p.dtype, device=self.device)
         self.query_start = torch.arange(B + 1, dtype=torch.int32, device=self.device)
         self.drafts = torch.zeros(B, k, dtype=torch.int64, device=self.device)
@@ -108,18 +105,17 @@ class HeadDraftGraphs:
     def _stage(self, rows: list[tuple[int, int, list[int]]], bucket: int) -> None:
         """rows: (last real position, drafts wanted, block table) per drafting sequence;
         the bucket's padding rows want nothing."""
-        B, h = self.max_num_seqs, self.h
-        tables = h[2 * B :].reshape(B, self.max_blocks)
+        h = self.staging.h
+        tables = h["tables"].reshape(self.max_num_seqs, self.max_blocks)
         for i, (base, want, table) in enumerate(rows):
-            h[i], h[B + i] = base, want
+            h["base"][i], h["want"][i] = base, want
             tables[i, : len(table)] = table
             tables[i, len(table) :] = 0
         n = len(rows)
-        h[n:bucket] = 0
-        h[B + n : B + bucket] = 0
+        h["base"][n:bucket] = 0
+        h["want"][n:bucket] = 0
         tables[n:bucket] = 0
-        if self.dev_buf is not self.host:
-            self.dev_buf.copy_(self.host, non_blocking=True)
+        self.staging.upload()
 
     @torch.inference_mode()
     def draft(self, hidden: Tensor, rows: list[tuple[int, int, list[int]]]) -> list[list[int]]:
