@@ -123,14 +123,30 @@ def _ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _exit_now(code: int) -> None:
+    """End a worker without tearing down its process groups.  Rank 0 may already be gone
+    once it has said shutdown (under a LeaderWorkerSet or torchrun it does not wait for
+    us), and with it the TCP store our groups hang on: destroying them then, or letting
+    the interpreter's finalizers do it, can abort in C++ ("terminate called without an
+    active exception").  The process holds nothing else worth a clean teardown."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
 def run_worker(cfg: Config) -> int:
-    """A non-zero rank started by torchrun or a LeaderWorkerSet (the `specserve` command)."""
-    from specserve.parallel.launch import shutdown, tensor_parallel_group
+    """A non-zero rank started by torchrun or a LeaderWorkerSet (the `specserve` command);
+    it never returns: the process exits with 0 after ``shutdown``, 1 otherwise."""
+    from specserve.parallel.launch import tensor_parallel_group
 
     _ignore_stop_signals()
     group = tensor_parallel_group(cfg)
-    code = serve_worker(group)
-    return shutdown(failed=code != 0) or code
+    _exit_now(serve_worker(group))
+    return 1  # not reached
 
 
 def main() -> None:
@@ -152,8 +168,7 @@ def main() -> None:
     except Exception as e:
         log.error("rank %s could not join the group: %s", rank, str(e).splitlines()[0] if str(e) else e)
         sys.exit(1)
-    code = serve_worker(group)
-    sys.exit(group.shutdown(failed=code != 0) or code)
+    _exit_now(serve_worker(group))
 
 
 if __name__ == "__main__":
