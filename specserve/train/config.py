@@ -38,6 +38,9 @@ class TrainHeadConfig:
     intermediate_size: Optional[int] = None  # null = the target's
     # "target": LM head rows and final norm start from the target's; "random": from scratch.
     init: str = "target"
+    # Train the draft LM head (true), or keep it frozen at the target's rows (false: about
+    # half the head's parameters stop learning, less to memorize; needs init=target).
+    train_lm_head: bool = True
 
 
 @dataclass
@@ -115,6 +118,8 @@ def validate_train_config(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("optim.step_weight", f"must be in (0, 1], got {o.step_weight}")
     if h.init not in ("target", "random"):
         raise ConfigError("head.init", f"must be one of target, random; got {h.init!r}")
+    if not h.train_lm_head and h.init != "target":
+        raise ConfigError("head.train_lm_head", "false keeps the LM head at its initial rows: needs head.init=target")
     if h.aux_layer_ids is not None and len(h.aux_layer_ids) != 3:
         raise ConfigError("head.aux_layer_ids", f"needs 3 layer ids (low, mid, high), got {list(h.aux_layer_ids)}")
     if cfg.export_dtype not in ("bfloat16", "float32", "float16"):

@@ -99,6 +99,7 @@ def new_head(target: LoadedModel, cfg: TrainConfig, layer_ids: tuple[int, ...], 
             head.fc.weight[:, 2 * H :] = torch.eye(H) / max(feat_rms, 1.0)  # large streams only
             head.lm_head.weight.copy_(target_lm_rows(target, vocab))
             head.norm.weight.copy_(target.model.norm.weight.float())
+    head.lm_head.weight.requires_grad_(cfg.head.train_lm_head)
     head = head.to(device)
     if vocab is not None:
         head.draft_to_target = vocab.to(device)

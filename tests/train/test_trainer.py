@@ -88,8 +88,31 @@ def test_train_export_serve_and_resume(setup):
     assert [o.token_ids for o in outs] == plain and sum(o.spec.num_accepted_tokens for o in outs) > 0
 
 
+def test_frozen_lm_head_keeps_the_target_rows(setup, tmp_path):
+    """head.train_lm_head=false: the exported LM head is still the target's rows of the
+    draft vocabulary, while the rest of the head learned."""
+    root, target = setup
+    from safetensors.torch import load_file
+
+    from specserve.executor.loader import load_model
+
+    rep = train(_cfg(root, target, "optim.max_steps=4", "eval.enabled=false", "head.train_lm_head=false",
+                     "model.dtype=float32", "export_dtype=float32", f"output_dir={tmp_path}"))
+    assert rep["steps"] == 4
+    w = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
+    t = load_model(str(target), "float32", torch.device("cpu"), None, None, cpu_kernel="torch").model
+    lm = getattr(t.lm_head, "weight", None)
+    rows = (t.embed_tokens.weight if lm is None else lm).detach()[torch.load(tmp_path / "vocab.pt")["ids"]]
+    assert torch.equal(w["lm_head.weight"], rows)
+    fc = w["fc.weight"]
+    H = fc.shape[0]
+    assert not torch.equal(fc[:, 2 * H :], torch.diag(torch.diagonal(fc[:, 2 * H :])))  # fc learned off its init
+
+
 def test_bad_training_config_is_one_line(setup, capsys):
     root, target = setup
+    with pytest.raises(ConfigError, match="head.train_lm_head"):
+        _cfg(root, target, "head.train_lm_head=false", "head.init=random")
     with pytest.raises(ConfigError, match="optim.ttt_steps"):
         _cfg(root, target, "optim.ttt_steps=0")
     with pytest.raises(UsageError, match="optim.nope"):
