@@ -116,7 +116,8 @@ class EngineConfig:
     cuda_graphs: str = "auto"
     # Drafts per step: "fixed" = method.num_speculative_tokens every step; "adaptive" =
     # chosen per step from measured step costs and acceptance (0 switches speculation
-    # off while it costs more than it saves); "auto" = adaptive on CUDA, fixed on the CPU.
+    # off while it costs more than it saves); "auto" = adaptive with a method; Predicted
+    # Outputs alone (no method): adaptive on CUDA, fixed on the CPU.
     speculation: str = "auto"
     # Predicted Outputs (a request's `prediction`): at most this many drafts per step
     # come from the prediction; with a method, at most its K.  Without a method this is

@@ -14,8 +14,12 @@ from specserve.request import SamplingParams
 
 
 def tiny_config(model_dir: Path, method: str | None = None, k: int = 3, num_blocks: int = 256,
-                block_size: int = 4, draft_dir: Path | None = None, **spec_kw) -> Config:
+                block_size: int = 4, draft_dir: Path | None = None, speculation: str = "fixed",
+                **spec_kw) -> Config:
+    """A tiny model's config.  Speculation is fixed (K every step) unless asked: tests count
+    drafts, and adaptive choices follow wall-clock timings."""
     cfg = Config(model=ModelConfig(name="tiny", path=str(model_dir), dtype="float32"))
+    cfg.engine.speculation = speculation
     cfg.engine.num_kv_blocks = num_blocks
     cfg.engine.block_size = block_size
     if method is not None:

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(120)
 PROMPTS = ["w10 w11 w12 w10 w11 w12 w10", "w7 w8 w9 w7 w8", "w30 w31 w30 w31 w30 w31"]
 CHAT = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w20 w21 w20 w21"}]
 N = 12
-SMALL = dict(dtype="float32", num_kv_blocks=128, block_size=4)  # a small KV cache for tiny models
+# A small KV cache for tiny models; K drafts every step (the tests compare draft counts).
+SMALL = dict(dtype="float32", num_kv_blocks=128, block_size=4, speculation="fixed")
 
 
 def greedy(max_tokens: int = N, **kw) -> SamplingParams:

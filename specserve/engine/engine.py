@@ -200,7 +200,9 @@ class LLMEngine:
         )
         # Decode/verification steps padded to one draft length, so a captured graph fits.
         self.uniform_steps = graphs
-        adaptive = e.speculation == "adaptive" or (e.speculation == "auto" and cuda)
+        # auto: adaptive with a method everywhere, and for Predicted Outputs alone on CUDA
+        # (on the CPU those stay fixed: measured there with K every step).
+        adaptive = e.speculation == "adaptive" or (e.speculation == "auto" and (cuda or spec is not None))
         self.spec_control = SpecController(self.k, adaptive=adaptive and self.k > 0, candidates=sizes)
         if static is not None and graphs:
             static.capture()

@@ -14,7 +14,10 @@ of a step with batch bucket B and q tokens per sequence (seeded from timed
 graph replays when the runner has them, else learned online; an unmeasured q
 is assumed to cost what q=1 costs, so it gets tried), and propose(k) the
 measured time of proposing k drafts.  k = 0 turns speculation off; while off,
-every ``probe_every`` steps run K once so acceptance and costs stay current.
+one step runs K after ``probe_every`` steps so acceptance and costs stay current.
+Each probe that leaves speculation off doubles that interval (up to ``probe_max``
+steps): a drafter that keeps losing, e.g. one whose drafts cost several target
+steps, stops paying a probe every few dozen steps.  Speculating again resets it.
 The choice is exported as a gauge and logged when it changes.
 """
 
@@ -50,12 +53,15 @@ class SpecController:
     adaptive: bool = False
     candidates: tuple[int, ...] = ()
     probe_every: int = 32
+    probe_max: int = 1024
     step_cost: dict[tuple[int, int], _Ema] = field(default_factory=dict)
     propose_cost: dict[int, _Ema] = field(default_factory=dict)
     reached: list[float] = field(default_factory=list)  # drafts that reached position i
     accepted: list[float] = field(default_factory=list)  # ... and were accepted there
     chosen: int = 0
     _steps_off: int = 0
+    _interval: int = 0  # steps off before the next probe (probe_every, doubling)
+    _probed: bool = False  # the previous choice was a probe
     _last_k: int | None = None
 
     def __post_init__(self) -> None:
@@ -63,6 +69,7 @@ class SpecController:
         self.reached = [0.0] * self.k_max
         self.accepted = [0.0] * self.k_max
         self.chosen = self.k_max
+        self._interval = self.probe_every
 
     # ------------------------------------------------------------------ observations
     def seed_costs(self, table: dict[tuple[int, int], float]) -> None:
@@ -115,10 +122,16 @@ class SpecController:
             k = self.k_max
         else:
             k = self._best(bucket_of(batch_size), batch_size)
+            if k > 0:  # speculating again: the next spell off starts probing at probe_every
+                self._interval = self.probe_every
+            elif self._probed:  # the probe just measured says still off: wait twice as long
+                self._interval = min(2 * self._interval, self.probe_max)
+            self._probed = False
         if self.adaptive and k == 0:
             self._steps_off += 1
-            if self._steps_off >= self.probe_every:  # look again: acceptance or costs may have moved
+            if self._steps_off >= self._interval:  # look again: acceptance or costs may have moved
                 self._steps_off = 0
+                self._probed = True
                 k = self.k_max
         else:
             self._steps_off = 0

@@ -51,6 +51,40 @@ def test_draft_model_that_is_the_target_accepts_everything(tiny_llama, prompts, 
     assert 1 + accepted / drafts == k + 1
 
 
+@pytest.mark.parametrize("method,k", [("ngram", 3), ("draft_model", 4)])
+def test_drafts_per_step_changing_every_step_is_lossless(tiny_llama, prompts, vanilla_outputs, method, k):
+    """Adaptive speculation (the default with a method) changes K between steps, down to 0
+    (speculation off) and back: a proposer must pick up where it left, e.g. a draft
+    model's KV cache catching up on the tokens it did not draft for.  Here K is drawn at
+    random every step.  The draft model is the target itself, so every draft is right
+    exactly when its KV cache caught up correctly."""
+    import random
+
+    eng = LLMEngine(tiny_config(tiny_llama, method, k=k, draft_dir=tiny_llama, speculation="auto"))
+    c = eng.spec_control
+    assert c.adaptive  # auto = adaptive with a method, on the CPU too
+    rng, picked = random.Random(7), []
+
+    def choose(batch_size: int) -> int:
+        c.chosen = rng.randint(0, k)
+        picked.append(c.chosen)
+        return c.chosen
+
+    c.choose = choose
+    outs = eng.generate(prompts, [greedy(24) for _ in prompts])
+    assert [o.token_ids for o in outs] == vanilla_outputs
+    assert set(picked) == set(range(k + 1))
+    accepted = sum(o.spec.num_accepted_tokens for o in outs)
+    drafted = sum(o.spec.num_draft_tokens for o in outs)
+    assert 0 < accepted <= drafted
+    if method == "draft_model":
+        assert accepted == drafted
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    blocks = getattr(eng.proposer, "blocks", None)
+    if blocks is not None:
+        assert blocks.num_free == blocks.num_blocks
+
+
 def test_preemption_under_kv_pressure_is_lossless(tiny_llama, prompts, vanilla_outputs):
     """A cache too small for all requests at once: requests wait or are preempted and
     recomputed; outputs are unchanged and every block comes back."""

@@ -42,6 +42,24 @@ def test_expensive_verification_turns_speculation_off_and_probes_again():
     assert c.choose(1) == 4  # nothing measured for bucket 1 yet: speculate
 
 
+def test_probes_back_off_while_speculation_keeps_losing_and_reset_when_it_wins():
+    c = SpecController(4, adaptive=True, probe_every=4, probe_max=32)
+    c.seed_costs({(1, q): 0.010 * q for q in range(1, 6)})  # verification costs q x: never worth it
+    c.reached, c.accepted = [100.0] * 4, [30.0] * 4
+    picks = [c.choose(1) for _ in range(200)]
+    probes = [i for i, k in enumerate(picks) if k == 4]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 3 and gaps[:3] == [8, 16, 32]  # one step in 4, then 8, 16, 32 (probe_max)
+    assert all(g == 32 for g in gaps[2:]) and set(picks) == {0, 4}
+    # costs move (the batch got memory-bound): speculation is on again, and once it loses
+    # again the probes start over at probe_every
+    c.step_cost = {key: type(e)(0.010) for key, e in c.step_cost.items()}
+    assert c.choose(1) == 4 and c.choose(1) == 4  # winning: it stays on
+    c.step_cost = {key: type(e)(0.010 * key[1]) for key, e in c.step_cost.items()}
+    after = [c.choose(1) for _ in range(12)]
+    assert after == [0, 0, 0, 4] + [0] * 7 + [4]  # probing starts again at probe_every, then backs off
+
+
 def test_choice_depends_on_batch_bucket():
     c = SpecController(4, adaptive=True)
     c.seed_costs({(1, q): 0.010 + 0.0002 * q for q in range(1, 6)})

@@ -109,6 +109,32 @@ def test_a_head_that_predicts_the_target_is_accepted(root, exact_bigram, prompts
     assert 1 + accepted / drafts > K  # (the last round of a request may draft fewer than K)
 
 
+@pytest.mark.parametrize("method,kw", [("eagle", {}), ("eagle3", {"aux_ids": [0, 1, 1]})])
+def test_drafts_per_step_changing_every_step(root, exact_bigram, prompts, method, kw):
+    """Adaptive speculation (the default with a method) changes K between steps, down to 0
+    and back: the head must pick up the rows verified while it did not draft.  K drawn at
+    random every step; an exact head's drafts are all accepted and the output is exact."""
+    import random
+
+    head = write_head(root / f"oracle-{method}", "eagle" if method == "eagle" else "eagle3", oracle=True, **kw)
+    expected = run(engine(tiny_config(exact_bigram)), prompts, [greedy(24) for _ in prompts])
+    eng = engine(tiny_config(exact_bigram, method, k=K, draft_dir=head, speculation="auto"))
+    c, rng, picked = eng.spec_control, random.Random(5), []
+    assert c.adaptive
+
+    def choose(batch_size: int) -> int:
+        c.chosen = rng.randint(0, K)
+        picked.append(c.chosen)
+        return c.chosen
+
+    c.choose = choose
+    outs = eng.generate(prompts, [greedy(24) for _ in prompts])
+    assert [o.token_ids for o in outs] == expected and set(picked) == set(range(K + 1))
+    accepted = sum(o.spec.num_accepted_tokens for o in outs)
+    assert 0 < accepted == sum(o.spec.num_draft_tokens for o in outs)
+    assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.proposer.states
+
+
 def test_partly_right_head_exercises_accept_and_reject(root, target, prompts, plain):
     """Reduced vocabulary (some target tokens undraftable) and a leaky target: drafts are
     accepted and rejected, and rollback keeps the output exact."""
