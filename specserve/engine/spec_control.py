@@ -18,7 +18,9 @@ one step runs K after ``probe_every`` steps so acceptance and costs stay current
 Each probe that leaves speculation off doubles that interval (up to ``probe_max``
 steps): a drafter that keeps losing, e.g. one whose drafts cost several target
 steps, stops paying a probe every few dozen steps.  Speculating again resets it.
-The choice is exported as a gauge and logged when it changes.
+Until ``warmup_rounds`` drafts have been verified every step drafts K (acceptance
+is not trusted from a handful of rounds).  The choice is exported as a gauge and
+logged when it changes.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class SpecController:
     candidates: tuple[int, ...] = ()
     probe_every: int = 32
     probe_max: int = 1024
+    # Verified drafts (first position, decayed) before acceptance is trusted: until then
+    # every step drafts K, so one unlucky early round cannot switch speculation off.
+    warmup_rounds: float = 16.0
     step_cost: dict[tuple[int, int], _Ema] = field(default_factory=dict)
     propose_cost: dict[int, _Ema] = field(default_factory=dict)
     reached: list[float] = field(default_factory=list)  # drafts that reached position i
@@ -118,7 +123,7 @@ class SpecController:
 
     def choose(self, batch_size: int) -> int:
         """K for the next step of a batch of ``batch_size`` decoding requests."""
-        if not self.adaptive or batch_size == 0:
+        if not self.adaptive or batch_size == 0 or self.reached[0] < self.warmup_rounds:
             k = self.k_max
         else:
             k = self._best(bucket_of(batch_size), batch_size)

@@ -17,6 +17,17 @@ def test_unmeasured_speculates_first():
     assert c.choose(1) == 4
 
 
+def test_k_until_enough_drafts_were_verified():
+    c = SpecController(4, adaptive=True, warmup_rounds=8)
+    c.seed_costs({(1, q): 0.010 * q for q in range(1, 6)})  # speculation would lose
+    picks = []
+    for _ in range(20):
+        picks.append(c.choose(1))
+        c.observe_drafts(4, 0)  # every first draft rejected
+    first_off = picks.index(0)
+    assert set(picks[:first_off]) == {4} and 8 <= first_off <= 10  # 8 rounds (decayed) before trusting them
+
+
 def test_expected_tokens_is_the_chain_formula():
     c = SpecController(3, adaptive=True)
     c.reached, c.accepted = [10.0, 8.0, 4.0], [8.0, 4.0, 1.0]
