@@ -40,6 +40,22 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def draw_k_every_step(engine, k: int, seed: int) -> list[int]:
+    """Replace the engine's choice of drafts per step by a seeded draw from 0..k (what
+    adaptive speculation may do, at its most erratic); returns the list of draws."""
+    import random
+
+    c, rng, picked = engine.spec_control, random.Random(seed), []
+
+    def choose(batch_size: int) -> int:
+        c.chosen = rng.randint(0, k)
+        picked.append(c.chosen)
+        return c.chosen
+
+    c.choose = choose
+    return picked
+
+
 def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 24, vocab: int = 60) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi, (n,), generator=g).tolist()

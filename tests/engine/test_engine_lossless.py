@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import greedy, random_prompts, run, tiny_config
+from engine_utils import draw_k_every_step, greedy, random_prompts, run, tiny_config
 from specserve.engine.engine import LLMEngine
 from specserve.request import FinishReason, SamplingParams
 
@@ -58,19 +58,9 @@ def test_drafts_per_step_changing_every_step_is_lossless(tiny_llama, prompts, va
     model's KV cache catching up on the tokens it did not draft for.  Here K is drawn at
     random every step.  The draft model is the target itself, so every draft is right
     exactly when its KV cache caught up correctly."""
-    import random
-
     eng = LLMEngine(tiny_config(tiny_llama, method, k=k, draft_dir=tiny_llama, speculation="auto"))
-    c = eng.spec_control
-    assert c.adaptive  # auto = adaptive with a method, on the CPU too
-    rng, picked = random.Random(7), []
-
-    def choose(batch_size: int) -> int:
-        c.chosen = rng.randint(0, k)
-        picked.append(c.chosen)
-        return c.chosen
-
-    c.choose = choose
+    assert eng.spec_control.adaptive  # auto = adaptive with a method, on the CPU too
+    picked = draw_k_every_step(eng, k, seed=7)
     outs = eng.generate(prompts, [greedy(24) for _ in prompts])
     assert [o.token_ids for o in outs] == vanilla_outputs
     assert set(picked) == set(range(k + 1))

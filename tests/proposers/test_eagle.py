@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from eagle_heads import make_bigram_target, write_head  # noqa: E402
-from engine_utils import greedy, random_prompts, run, tiny_config  # noqa: E402
+from engine_utils import draw_k_every_step, greedy, random_prompts, run, tiny_config  # noqa: E402
 from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
 from specserve.config import Config, ModelConfig, SpeculativeConfig, validate_config  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
@@ -114,20 +114,11 @@ def test_drafts_per_step_changing_every_step(root, exact_bigram, prompts, method
     """Adaptive speculation (the default with a method) changes K between steps, down to 0
     and back: the head must pick up the rows verified while it did not draft.  K drawn at
     random every step; an exact head's drafts are all accepted and the output is exact."""
-    import random
-
     head = write_head(root / f"oracle-{method}", "eagle" if method == "eagle" else "eagle3", oracle=True, **kw)
     expected = run(engine(tiny_config(exact_bigram)), prompts, [greedy(24) for _ in prompts])
     eng = engine(tiny_config(exact_bigram, method, k=K, draft_dir=head, speculation="auto"))
-    c, rng, picked = eng.spec_control, random.Random(5), []
-    assert c.adaptive
-
-    def choose(batch_size: int) -> int:
-        c.chosen = rng.randint(0, K)
-        picked.append(c.chosen)
-        return c.chosen
-
-    c.choose = choose
+    assert eng.spec_control.adaptive
+    picked = draw_k_every_step(eng, K, seed=5)
     outs = eng.generate(prompts, [greedy(24) for _ in prompts])
     assert [o.token_ids for o in outs] == expected and set(picked) == set(range(K + 1))
     accepted = sum(o.spec.num_accepted_tokens for o in outs)
