@@ -29,7 +29,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -123,7 +123,7 @@ def _ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _exit_now(code: int) -> None:
+def _exit_now(code: int) -> NoReturn:
     """End a worker without tearing down its process groups.  Rank 0 may already be gone
     once it has said shutdown (under a LeaderWorkerSet or torchrun it does not wait for
     us), and with it the TCP store our groups hang on: destroying them then, or letting
@@ -138,7 +138,7 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def run_worker(cfg: Config) -> int:
+def run_worker(cfg: Config) -> NoReturn:
     """A non-zero rank started by torchrun or a LeaderWorkerSet (the `specserve` command);
     it never returns: the process exits with 0 after ``shutdown``, 1 otherwise."""
     from specserve.parallel.launch import tensor_parallel_group
@@ -146,7 +146,6 @@ def run_worker(cfg: Config) -> int:
     _ignore_stop_signals()
     group = tensor_parallel_group(cfg)
     _exit_now(serve_worker(group))
-    return 1  # not reached
 
 
 def main() -> None:

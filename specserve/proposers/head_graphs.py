@@ -63,6 +63,7 @@ class HeadDraftGraphs:
         self.base = self.staging.d["base"]  # last real position of each row (its head row is the hidden state below)
         self.want = self.staging.d["want"]  # drafts each row wants (0: padding)
         self.tables = self.staging.d["tables"].view(B, self.max_blocks)
+        self.h_tables = self.staging.h["tables"].reshape(B, self.max_blocks)
         self.hidden = torch.zeros(B, head.c.hidden_size, dtype=p.dtype, device=self.device)
         self.query_start = torch.arange(B + 1, dtype=torch.int32, device=self.device)
         self.drafts = torch.zeros(B, k, dtype=torch.int64, device=self.device)
@@ -105,8 +106,7 @@ class HeadDraftGraphs:
     def _stage(self, rows: list[tuple[int, int, list[int]]], bucket: int) -> None:
         """rows: (last real position, drafts wanted, block table) per drafting sequence;
         the bucket's padding rows want nothing."""
-        h = self.staging.h
-        tables = h["tables"].reshape(self.max_num_seqs, self.max_blocks)
+        h, tables = self.staging.h, self.h_tables
         for i, (base, want, table) in enumerate(rows):
             h["base"][i], h["want"][i] = base, want
             tables[i, : len(table)] = table

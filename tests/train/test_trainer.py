@@ -95,14 +95,14 @@ def test_frozen_lm_head_keeps_the_target_rows(setup, tmp_path):
     from safetensors.torch import load_file
 
     from specserve.executor.loader import load_model
+    from specserve.train.trainer import target_lm_rows
 
     rep = train(_cfg(root, target, "optim.max_steps=4", "eval.enabled=false", "head.train_lm_head=false",
                      "model.dtype=float32", "export_dtype=float32", f"output_dir={tmp_path}"))
     assert rep["steps"] == 4
     w = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
-    t = load_model(str(target), "float32", torch.device("cpu"), None, None, cpu_kernel="torch").model
-    lm = getattr(t.lm_head, "weight", None)
-    rows = (t.embed_tokens.weight if lm is None else lm).detach()[torch.load(tmp_path / "vocab.pt")["ids"]]
+    t = load_model(str(target), "float32", torch.device("cpu"), None, None, cpu_kernel="torch")
+    rows = target_lm_rows(t, torch.load(tmp_path / "vocab.pt")["ids"])
     assert torch.equal(w["lm_head.weight"], rows)
     fc = w["fc.weight"]
     H = fc.shape[0]
