@@ -73,10 +73,8 @@ class _Stage:
 
 @dataclass
 class _ReqState:
-    seq: Sequence
+    seq: Sequence  # carries the request's Philox key (seq.seed)
     proc: OutputProcessor | None  # None when the caller detokenizes (AsyncEngine)
-    seed: int  # int64 pattern of the request's Philox key (drawn at admission when unseeded)
-    offset: int = 0  # random numbers of its stream consumed so far
     grammar: Any = None  # specserve.structured.GrammarState with structured_outputs
     prompt_lps: list | None = None  # prompt_logprobs so far (index i: prompt token i; [0] is None)
     prompt_lps_sent: bool = False
@@ -267,14 +265,14 @@ class LLMEngine:
         admitting raises RequestFailedError.  Either way nothing of the request remains."""
         self.validate_request(request_id, prompt_token_ids, params)
         try:
-            seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params)
-            seed = self._request_seed(params)
+            seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                           seed=self._request_seed(params))
             proc = OutputProcessor(self.tokenizer, seq.prompt_token_ids, params) if self.detokenize else None
             grammar = None
             if params.structured_outputs is not None:
                 backend = self.grammar_backend
                 grammar = backend.new_state(backend.compile(params.structured_outputs))
-            self.requests[request_id] = st = _ReqState(seq, proc, seed, grammar=grammar)
+            self.requests[request_id] = st = _ReqState(seq, proc, grammar=grammar)
             if params.prompt_logprobs is not None:
                 st.prompt_lps = [None]
             self.scheduler.add(seq)
@@ -476,9 +474,9 @@ class LLMEngine:
 
     def _verify_batch(self, sampled, sample_rows, drafts_all, scheduled, fwd) -> list[tuple[list[int], int]]:
         """Sample/verify every sampled request on the device (``DeviceSampler``): one
-        copy of its inputs up, one packed (B, K+2) result back.  Random numbers come
-        from each request's own (seed, offset) Philox stream, 2K+1 per step whatever
-        its neighbours do, so a seeded request is reproducible in any batch."""
+        copy of its inputs up, one packed (B, K+2) result back.  Random numbers are
+        keyed by (request seed, output position, purpose), so a seeded request's tokens
+        do not depend on its neighbours, on K or on adaptive speculation."""
         pos = {id(s): i for i, s in enumerate(scheduled)}
         drafts = [drafts_all[pos[id(s)]] for s in sampled]
         rows = [fwd.row_offsets[pos[id(s)]] for s in sampled]
@@ -490,9 +488,10 @@ class LLMEngine:
                                  self.target.arch.vocab_size, tuple(self.tokenizer.eos_token_ids))  # fmt: skip
         logits = fwd.logits if plan is None else plan.apply(fwd.logits)
         inputs = self.sampler.prepare(
-            rows, drafts, temps, top_ks, top_ps, min_ps, [st.seed for st in states], [st.offset for st in states]
+            rows, drafts, temps, top_ks, top_ps, min_ps, [s.seq.seed for s in sampled],
+            [s.seq.num_output_tokens for s in sampled],
         )
-        packed = self.sampler.sample(logits, inputs, draft_probs=self._draft_probs(sampled, drafts))
+        packed = self.sampler.sample(logits, inputs, *self._draft_probs(sampled, drafts))
         want = [s.seq.params.logprobs for s in sampled]
         if all(k is None for k in want):
             results = self.sampler.fetch(packed, len(sampled))
@@ -504,26 +503,24 @@ class LLMEngine:
             results = unpack(host[:, : K1 + 1].tolist())
             lps = logprob_lists(host[:, K1 + 1 :], [r[0] for r in results], want, K1, top)
             results = [r if lp is None else (r[0], r[1], lp) for r, lp in zip(results, lps)]
-        for st in states:
-            st.offset += self.sampler.uniforms_per_step
         return results
 
-    def _draft_probs(self, sampled, drafts) -> torch.Tensor | None:
-        """(B, K, V) q of each request's drafts for probabilistic verification: the
-        proposer's distributions where it sampled the drafts from one, one-hot at the
-        draft otherwise; None (one-hot everywhere) when no request has any."""
+    def _draft_probs(self, sampled, drafts) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """For probabilistic verification: (B, K, V) q of each request's drafts where the
+        proposer sampled them from a distribution, and (B,) which rows have one (the
+        others, argmax or copied drafts, are verified strictly); (None, None) when no
+        request has any."""
         qs = [s.seq.draft_probs for s in sampled]
         for s in sampled:
             s.seq.draft_probs = None
-        if self.sampler.method != "probabilistic" or all(q is None or not d for q, d in zip(qs, drafts)):
-            return None
+        has_q = [q is not None and bool(d) for q, d in zip(qs, drafts)]
+        if self.sampler.method != "probabilistic" or not any(has_q):
+            return None, None
         out = torch.zeros(len(sampled), self.sampler.K, self.target.arch.vocab_size, device=self.target.device)
         for b, (q, d) in enumerate(zip(qs, drafts)):
-            if q is not None:
+            if has_q[b]:
                 out[b, : len(d)] = q[: len(d)]
-            elif d:
-                out[b, torch.arange(len(d)), torch.tensor(d)] = 1.0
-        return out
+        return out, torch.tensor(has_q, device=self.target.device)
 
     def _commit(self, scheduled, drafts, results) -> list[RequestOutput]:
         now = time.monotonic()

@@ -27,6 +27,9 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # The 64-bit Philox key (int64 pattern) of every random number the request uses, keyed by
+    # (seed, output position, purpose): params.seed, or one drawn by the engine at admission.
+    seed: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0

@@ -150,7 +150,7 @@ class _State:
 
 class DFlashProposer(OwnCacheHead):
     def __init__(self, ck: DFlashCheckpoint, target: Any, k: int, num_blocks: int, block_size: int,
-                 probabilistic: bool, seed: int = 0):
+                 probabilistic: bool):
         self.draft = ck.model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
         self.target = target
         self.k = k
@@ -160,7 +160,7 @@ class DFlashProposer(OwnCacheHead):
         # the stream after layer l = the one entering l + 1 (num_layers: final-normed)
         self.aux_layer_ids = tuple(l + 1 for l in ck.target_layer_ids)
         a = ck.model.a
-        self._init_cache(a.num_layers, a.num_kv_heads, a.head_dim, num_blocks, block_size, target, probabilistic, seed)
+        self._init_cache(a.num_layers, a.num_kv_heads, a.head_dim, num_blocks, block_size, target, probabilistic)
         self.bs = block_size
 
     def _slots(self, table: list[int], start: int, end: int) -> Tensor:
@@ -256,4 +256,4 @@ def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DFlashProposer:
              ck.block_size, ck.target_layer_ids, spec.num_speculative_tokens)
     e = ctx.engine
     return DFlashProposer(ck, ctx.target, spec.num_speculative_tokens, ctx.num_kv_blocks, e.block_size,
-                          spec.rejection_sample_method == "probabilistic", seed=e.seed)
+                          spec.rejection_sample_method == "probabilistic")

@@ -32,9 +32,9 @@ verification.  With ``rejection_sample_method=probabilistic`` a sampled
 request's drafts are drawn from q = the head's distribution under the
 request's temperature/top-k/top-p, and q (mapped to the target vocabulary)
 goes to the rejection sampler with the drafts: lossless, and higher
-acceptance than one-hot q.  The draws come from a Philox stream of their own
-per request (the request's seed with a salt; offset = the draft's position),
-so seeded requests are reproducible in any batch.
+acceptance than one-hot q.  The draws are the request's keyed numbers
+``u(seed, output position, DRAFT)`` (``heads.draft_uniforms``, the same as
+every head's), so seeded requests are reproducible in any batch.
 """
 
 from __future__ import annotations
@@ -53,27 +53,21 @@ from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.eagle import EagleHead
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
 from specserve.proposers.head_graphs import HeadDraftGraphs
-from specserve.proposers.heads import head_metadata, narrow, read_columns, step_metadata
+from specserve.proposers.heads import draft_uniforms, head_metadata, narrow, read_columns, step_metadata
 from specserve.request import GREEDY_EPS
-from specserve.sampling.philox import philox_uniforms, random_seed, seed_to_int64
 from specserve.sampling.processors import SamplingTensors, logits_to_probs, sample_from_probs
 
 log = logging.getLogger(__name__)
-
-# XORed into a request's seed: the drafter's Philox stream must be independent of the
-# verifier's (which uses the seed itself), or the accept tests would correlate with the drafts.
-DRAFT_STREAM_SALT = 0x9E3779B97F4A7C15
 
 
 @dataclass
 class _HeadState:
     num_fed: int = 0  # target positions whose features the head has consumed (its real rows end here)
-    seed: int | None = None  # int64 Philox key of the request's draft stream
 
 
 class EagleProposer:
     def __init__(self, head: EagleHead, k: int, kv: tuple[Tensor, Tensor], block_size: int, blocks, *,
-                 probabilistic: bool = False, seed: int = 0, trash_slot: int | None = None):
+                 probabilistic: bool = False, trash_slot: int | None = None):
         self.head = head
         self.trash_slot = trash_slot  # the head cache's padding slot (for static drafting)
         # The K draft steps over persistent buffers (CUDA graphs per batch bucket); None: eager.
@@ -88,7 +82,6 @@ class EagleProposer:
         self.dtype = next(head.parameters()).dtype
         self.vocab_size = head.c.vocab_size
         self.states: dict[str, _HeadState] = {}
-        self.seed_generator = torch.Generator().manual_seed(seed ^ 0x5EED)
 
     def enable_static(self, max_num_seqs: int, max_seq_len: int, impl: str = "auto",
                       use_graphs: bool | None = None) -> HeadDraftGraphs:
@@ -182,34 +175,22 @@ class EagleProposer:
         read_columns(drafts, columns)
         return Proposal(token_ids=drafts, probs=probs)
 
-    def _sampling(self, requests, drafting) -> tuple[SamplingTensors, Tensor] | None:
-        """Per drafting row: its sampling tensors and draft-stream Philox key; None when
-        every draft is greedy (strict verification, or greedy requests only)."""
+    def _sampling(self, requests, drafting) -> SamplingTensors | None:
+        """Per drafting row: its sampling tensors; None when every draft is greedy
+        (strict verification, or greedy requests only)."""
         if not self.probabilistic:
             return None
         params = [requests[i].seq.params for i, _, _, _ in drafting]
         if all(p.temperature < GREEDY_EPS for p in params):
             return None
-        st = SamplingTensors.build([p.temperature for p in params], [p.top_k for p in params],
-                                   [p.top_p for p in params], [p.min_p for p in params], self.device)
-        seeds = [self._seed(requests[i].seq) for i, _, _, _ in drafting]
-        return st, torch.tensor(seeds, dtype=torch.int64, device=self.device)
-
-    def _seed(self, seq) -> int:
-        st = self.states[seq.request_id]
-        if st.seed is None:
-            s = getattr(seq.params, "seed", None)
-            if s is None:
-                st.seed = random_seed(self.seed_generator)
-            else:
-                st.seed = seed_to_int64((seed_to_int64(s) & (2**64 - 1)) ^ DRAFT_STREAM_SALT)
-        return st.seed
+        return SamplingTensors.build([p.temperature for p in params], [p.top_k for p in params],
+                                     [p.top_p for p in params], [p.min_p for p in params], self.device)
 
     def _sample(self, logits: Tensor, sampler, active: list[int], drafting, requests, step: int,
                 probs: Tensor) -> Tensor:
         """Draft tokens (B',) as target ids drawn from q (greedy rows: its argmax); q,
         mapped to the target vocabulary, is recorded in ``probs`` at column step - 1."""
-        st_all, seeds_all = sampler
+        st_all = sampler
         sel = torch.tensor(active, dtype=torch.int64, device=self.device)
         st = SamplingTensors(
             temperature=st_all.temperature[sel], top_k=st_all.top_k[sel], top_p=st_all.top_p[sel],
@@ -217,10 +198,8 @@ class EagleProposer:
             any_top_k=st_all.any_top_k, any_top_p=st_all.any_top_p, any_min_p=st_all.any_min_p,
         )
         q = logits_to_probs(logits, st)  # (B', Vd)
-        # offset = the draft's position in its sequence: a fresh number for every position
-        offsets = torch.tensor([len(requests[drafting[a][0]].seq.token_ids) + step - 1 for a in active],
-                               dtype=torch.int64, device=self.device)
-        u = philox_uniforms(seeds_all[sel], offsets, 1)[:, 0]  # (B',)
+        seqs = [requests[drafting[a][0]].seq for a in active]
+        u = draft_uniforms(seqs, [s.num_output_tokens + step - 1 for s in seqs], self.device)  # (B',)
         head = self.head
         tokens = head.to_target_ids(sample_from_probs(q, u))
         if head.draft_to_target is not None:
@@ -300,7 +279,7 @@ def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
     kv, trash = _head_kv(ctx, head)
     proposer = EagleProposer(
         head, k, kv, ctx.engine.block_size, blocks,
-        probabilistic=spec.rejection_sample_method == "probabilistic", seed=ctx.engine.seed, trash_slot=trash,
+        probabilistic=spec.rejection_sample_method == "probabilistic", trash_slot=trash,
     )
     if t.device.type == "cuda" and getattr(t, "tp", None) is None and ctx.engine.cuda_graphs != "off":
         proposer.enable_static(ctx.engine.max_num_seqs, t.max_model_len)  # the K draft steps as CUDA graphs

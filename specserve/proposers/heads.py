@@ -11,10 +11,11 @@ Greedy requests, and every request under strict verification, draft the argmax
 probabilistic`` a sampled request's drafts are drawn from q = the head's
 distribution under the request's own temperature / top-k / top-p / min-p, and q
 is returned for the rejection sampler (accept d with min(1, p(d)/q(d))):
-lossless, and more drafts accepted than with one-hot q.  The draws use a Philox
-stream of their own per request (the request's seed with a salt, or a seed drawn
-once per request; offset = the draft's position in the sequence), so a seeded
-request is reproducible whatever batch it is in.
+lossless, and more drafts accepted than with one-hot q.  The draws are the
+request's keyed numbers ``u(seed, output position, DRAFT)``
+(:func:`draft_uniforms`: the same key as verification, another purpose, so the
+drafts are independent of the accept tests), so a seeded request's drafts do not
+depend on the batch it is in.
 """
 
 from __future__ import annotations
@@ -31,30 +32,22 @@ from specserve.executor.kv_cache import KVCache
 from specserve.kv_blocks import BlockManager
 from specserve.proposers.base import Proposal
 from specserve.request import GREEDY_EPS
-from specserve.sampling.philox import philox_uniforms, random_seed, seed_to_int64
+from specserve.sampling.philox import DRAFT, keyed_uniforms
 from specserve.sampling.processors import SamplingTensors, logits_to_probs, sample_from_probs
 
-SALT = 0x5D3A_91C7_2E4F_B86B  # separates a request's draft stream from its verification stream
+
+def draft_uniforms(seqs: list, positions: list[int], device: torch.device) -> Tensor:
+    """(B,) uniforms ``u(seq.seed, positions[b], DRAFT)`` for drafts sampled from q;
+    ``positions``: the output index each draft is a guess for."""
+    seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device)
+    return keyed_uniforms(seeds, torch.tensor(positions, dtype=torch.int64, device=device), 1, DRAFT)[:, 0]
 
 
 class HeadSampler:
-    def __init__(self, probabilistic: bool, vocab_size: int, device: torch.device, seed: int = 0):
+    def __init__(self, probabilistic: bool, vocab_size: int, device: torch.device):
         self.probabilistic = probabilistic
         self.vocab_size = vocab_size
         self.device = device
-        self._gen = torch.Generator().manual_seed(seed ^ 0x2545F491)
-        self._seeds: dict[str, int] = {}
-
-    def seed_of(self, seq) -> int:
-        s = self._seeds.get(seq.request_id)
-        if s is None:
-            own = getattr(seq.params, "seed", None)
-            s = random_seed(self._gen) if own is None else seed_to_int64((seed_to_int64(own) & (2**64 - 1)) ^ SALT)
-            self._seeds[seq.request_id] = s
-        return s
-
-    def forget(self, request_id: str) -> None:
-        self._seeds.pop(request_id, None)
 
     def needs_q(self, seqs: list) -> bool:
         """Whether any of these requests drafts by sampling (else argmax everywhere)."""
@@ -62,18 +55,15 @@ class HeadSampler:
 
     def draw(self, logits: Tensor, seqs: list, positions: list[int]) -> tuple[Tensor, Tensor | None]:
         """Draft tokens (B,) from logits (B, V), one row per request in ``seqs``;
-        ``positions``: each draft's position in its sequence.  Returns the tokens and,
-        when some row sampled, q (B, V) (one-hot rows for greedy requests)."""
+        ``positions``: the output index each draft is a guess for.  Returns the tokens
+        and, when some row sampled, q (B, V) (one-hot rows for greedy requests)."""
         if not self.needs_q(seqs):
             return logits.argmax(dim=-1), None
         ps = [s.params for s in seqs]
         st = SamplingTensors.build([p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                                    [p.min_p for p in ps], self.device)
         q = logits_to_probs(logits.float(), st)  # greedy rows: one-hot at the argmax
-        seeds = torch.tensor([self.seed_of(s) for s in seqs], dtype=torch.int64, device=self.device)
-        offsets = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        u = philox_uniforms(seeds, offsets, 1)[:, 0]
-        return sample_from_probs(q, u), q
+        return sample_from_probs(q, draft_uniforms(seqs, positions, self.device)), q
 
 
 class DraftColumns:
@@ -92,7 +82,7 @@ class DraftColumns:
     def draw(self, logits: Tensor, live: list[int], col: int) -> Tensor:
         """Column ``col`` (0-based) of the drafters ``live`` from their logits (len(live), V)."""
         seqs = [self.seqs[a] for a in live]
-        tokens, q = self.sampler.draw(logits, seqs, [len(s.token_ids) + col for s in seqs])
+        tokens, q = self.sampler.draw(logits, seqs, [s.num_output_tokens + col for s in seqs])
         rows = [self.index[a] for a in live]
         if q is not None:
             self.probs[torch.tensor(rows, device=self.sampler.device), col] = q
@@ -111,10 +101,10 @@ class OwnCacheHead:
     the next round before anything reads them."""
 
     def _init_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                    target, probabilistic: bool, seed: int) -> None:
+                    target, probabilistic: bool) -> None:
         self.kv = KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, target.dtype, target.device)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.sampler = HeadSampler(probabilistic, target.arch.vocab_size, target.device, seed)
+        self.sampler = HeadSampler(probabilistic, target.arch.vocab_size, target.device)
         self.states: dict = {}
 
     def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
@@ -124,7 +114,6 @@ class OwnCacheHead:
         st = self.states.pop(request_id, None)
         if st is not None:
             self.blocks.free(st.block_table)
-        self.sampler.forget(request_id)
 
 
 def read_columns(drafts: list[list[int]], columns: list[tuple[list[int], Tensor]]) -> None:

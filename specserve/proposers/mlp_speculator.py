@@ -110,13 +110,13 @@ def load_mlp_speculator(path: str, key: str, target_hidden: int, target_vocab: i
 
 
 class MLPSpeculatorProposer:
-    def __init__(self, model: MLPSpeculator, target: Any, k: int, probabilistic: bool, seed: int = 0):
+    def __init__(self, model: MLPSpeculator, target: Any, k: int, probabilistic: bool):
         self.model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
         self.k = k
         self.device = target.device
         self.dtype = target.dtype
         self.aux_layer_ids = (target.arch.num_layers,)  # final-normed hidden state of every row
-        self.sampler = HeadSampler(probabilistic, target.arch.vocab_size, target.device, seed)
+        self.sampler = HeadSampler(probabilistic, target.arch.vocab_size, target.device)
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], step: Any = None) -> Proposal:
@@ -141,7 +141,7 @@ class MLPSpeculatorProposer:
         pass  # stateless between rounds
 
     def remove(self, request_id: str) -> None:
-        self.sampler.forget(request_id)
+        pass  # nothing per request
 
 
 @register("mlp_speculator")
@@ -161,4 +161,4 @@ def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> MLPSpeculatorPropos
     log.info("mlp_speculator: %d stages, inner_dim %d, K=%d", model.n_predict, model.proj[0].out_features,
              spec.num_speculative_tokens)
     return MLPSpeculatorProposer(model, target, spec.num_speculative_tokens,
-                                 spec.rejection_sample_method == "probabilistic", seed=ctx.engine.seed)
+                                 spec.rejection_sample_method == "probabilistic")

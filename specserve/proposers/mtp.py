@@ -147,7 +147,7 @@ class _State:
 
 class MTPProposer(OwnCacheHead):
     def __init__(self, target: LoadedModel, layers: nn.ModuleList, k: int, num_blocks: int, block_size: int,
-                 probabilistic: bool, seed: int = 0):
+                 probabilistic: bool):
         self.target = target
         self.model = target.model
         self.layers = layers.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
@@ -156,7 +156,7 @@ class MTPProposer(OwnCacheHead):
         self.block_size = block_size
         self.aux_layer_ids = (target.arch.num_layers,)  # the final-normed hidden state of every row
         a = target.arch
-        self._init_cache(len(layers), a.num_kv_heads, a.head_dim, num_blocks, block_size, target, probabilistic, seed)
+        self._init_cache(len(layers), a.num_kv_heads, a.head_dim, num_blocks, block_size, target, probabilistic)
         self.window = a.sliding_window
 
     def _logits(self, layer: MTPLayer, y: Tensor) -> Tensor:
@@ -246,4 +246,4 @@ def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> MTPProposer:
     log.info("mtp: %d MTP layer(s) in the %s layout; K=%d (steps beyond %d reuse the last layer)",
              n, layout, spec.num_speculative_tokens, n)
     return MTPProposer(target, layers, spec.num_speculative_tokens, ctx.num_kv_blocks, e.block_size,
-                       probabilistic=spec.rejection_sample_method == "probabilistic", seed=e.seed)
+                       probabilistic=spec.rejection_sample_method == "probabilistic")

@@ -8,14 +8,14 @@ from specserve.sampling.rejection import (
     rejection_sample,
     rejection_sample_greedy,
 )
-from specserve.sampling.philox import philox_uniforms, random_seed, seed_to_int64
+from specserve.sampling.philox import keyed_uniforms, philox_uniforms, random_seed, seed_to_int64
 from specserve.sampling.sampler import (
     DeviceSampler,
     RequestTensors,
     SamplerFlags,
     StepInputs,
     process_logits,
-    uniforms_per_step,
+    step_uniforms,
     unpack,
     verify_step,
 )
@@ -30,6 +30,7 @@ __all__ = [
     "SamplingTensors",
     "StepInputs",
     "draw_uniforms",
+    "keyed_uniforms",
     "logits_to_probs",
     "philox_uniforms",
     "process_logits",
@@ -38,7 +39,7 @@ __all__ = [
     "rejection_sample_greedy",
     "sample_from_probs",
     "seed_to_int64",
-    "uniforms_per_step",
+    "step_uniforms",
     "unpack",
     "verify_step",
 ]

@@ -2,8 +2,8 @@
 
 Why Philox
 ----------
-A speculative step needs 2K+1 uniforms per sampled request (K accept tests, K+1
-inverse-CDF draws; see :mod:`specserve.sampling.rejection`).  Drawing them from
+A speculative step needs up to 2K+1 uniforms per sampled request (K accept tests,
+K+1 inverse-CDF draws; see :mod:`specserve.sampling.rejection`).  Drawing them from
 one ``torch.Generator`` per request means a host-side loop, a launch per request
 and generator state that lives on the host: none of that can be captured in a
 CUDA graph or traced by ``torch.compile(fullgraph=True)``.
@@ -11,7 +11,7 @@ CUDA graph or traced by ``torch.compile(fullgraph=True)``.
 Philox (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011)
 is a *counter-based* generator: the random word is a pure function of a key and
 a counter, ``x = philox(counter, key)``.  There is no state to carry: request b's
-numbers are a function of its own ``(seed[b], offset[b])`` and nothing else, so
+numbers are a function of its own seed and the counter and nothing else, so
 they are the same whatever other requests share the batch and in whatever row
 order, and the whole batch is produced by one vectorised, shape-static
 computation on the device (no host synchronisation, no data-dependent shapes).
@@ -19,23 +19,31 @@ This is the generator behind cuRAND's default, ``torch.cuda`` and Triton's
 ``tl.rand``; here it is written with torch tensor ops so the same code runs on
 CPU and GPU and inside ``torch.compile`` / CUDA graphs.
 
-The stream and the offset contract
-----------------------------------
-A request's stream is indexed by a 64-bit position ``i = 0, 1, 2, ...``::
+Keyed numbers: (seed, position, purpose)
+---------------------------------------
+The engine never *consumes* a stream.  Every random number a request uses is a
+pure function of the request's seed, the output position it is for and what it
+is for (:func:`keyed_uniforms`)::
 
-    block(i) = philox4x32_10(counter=(lo32(i // 4), hi32(i // 4), 0, 0),
-                             key=(lo32(seed), hi32(seed)))          # 4 words
-    word(i)  = block(i)[i % 4]
-    u(i)     = (word(i) >> 8) * 2**-24                              # float32 in [0, 1)
+    u(seed, pos, purpose) = top24(philox4x32_10(counter=(lo32(pos), hi32(pos), purpose, 0),
+                                                key=(lo32(seed), hi32(seed)))[0]) * 2**-24
 
-so :func:`philox_uniforms` ``(seed, offset, n)`` returns ``u(offset) .. u(offset + n - 1)``.
-The caller keeps, per request, ``offset`` = how many numbers the request has
-consumed so far and adds ``n`` after each step; the numbers of consecutive steps
-are then consecutive, never reused, and a replay with the same seed and the same
-sequence of ``n`` gives the same numbers.  The word/counter/key mapping is exactly
-Triton's ``tl.randint4x(seed, i // 4)`` (counter words (offset_lo, offset_hi, 0, 0),
-key words (seed_lo, seed_hi)); the tests check that bit for bit, and the function
-against the published Random123 known-answer vectors.
+``pos`` is the index of the output token the number decides (0 = the first
+generated token) and ``purpose`` one of :data:`SAMPLE` (the target's token at
+that position, by inverse CDF), :data:`ACCEPT` (the accept test of a draft
+there, probabilistic verification) and :data:`DRAFT` (a drafter sampling its
+guess for that position).  So the target's token at output position ``pos`` is
+drawn with the same number whether the position is verified as a draft, as a
+bonus token or by plain decoding, whatever K is, whether speculation is on, and
+whoever else is in the batch: under strict verification a seeded request emits
+exactly plain decoding's tokens for that seed.
+
+:func:`philox_uniforms` is the plain counter stream ``u(i)`` = word ``i % 4`` of
+block ``i // 4`` -- exactly Triton's ``tl.randint4x(seed, i // 4)`` (counter
+words (offset_lo, offset_hi, 0, 0), key words (seed_lo, seed_hi)); the tests
+check it bit for bit, and the function against the published Random123
+known-answer vectors.  A keyed number with purpose 0 is word 0 of the block at
+counter ``pos``, i.e. ``u(4 * pos)`` of that stream.
 
 Uniforms take the top 24 bits of a word, so every float32 value k * 2**-24
 (k = 0 .. 2**24 - 1) is hit with equal probability and 1.0 never is.
@@ -57,7 +65,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "ACCEPT",
+    "DRAFT",
     "PHILOX_ROUNDS",
+    "SAMPLE",
+    "keyed_uniforms",
     "philox4x32_10",
     "philox_uniforms",
     "random_seed",
@@ -65,6 +77,11 @@ __all__ = [
 ]
 
 PHILOX_ROUNDS = 10
+# What a keyed number decides at an output position (the third Philox counter word).
+SAMPLE = 0  # the target's token there (inverse CDF of the processed distribution)
+ACCEPT = 1  # the accept test of a draft there (probabilistic verification)
+DRAFT = 2  # a drafter's sample of its guess there (drafts with a distribution q)
+PURPOSES = (SAMPLE, ACCEPT, DRAFT)
 _M0 = 0xD2511F53  # round multipliers (Random123 PHILOX_M4x32_0/1)
 _M1 = 0xCD9E8D57
 _W0 = 0x9E3779B9  # key schedule increments (golden ratio, sqrt(3) - 1)
@@ -159,4 +176,38 @@ def philox_uniforms(seed: Tensor, offset: Tensor, n: int) -> Tensor:
     k1 = ((seed >> 32) & _MASK32)[:, None]
     x = torch.stack(philox4x32_10(c0, c1, zero, zero, k0, k1), dim=-1)  # (B, n, 4)
     x = x.gather(-1, word[..., None]).squeeze(-1)  # (B, n)
+    return (x >> 8).to(torch.float32) * (2.0**-24)
+
+
+def keyed_uniforms(seed: Tensor, position: Tensor, n: int, purpose: int) -> Tensor:
+    """Uniforms (B, n) float32 in [0, 1): ``[b, j] = u(seed[b], position[b] + j, purpose)``.
+
+    Args:
+        seed: (B,) int64, each row's 64-bit key (:func:`seed_to_int64`).
+        position: (B,) int64 >= 0, the output position of each row's first number.
+        n: consecutive positions per row (a Python int: the shape is static).
+        purpose: :data:`SAMPLE`, :data:`ACCEPT` or :data:`DRAFT`.
+
+    A number depends on nothing but its (seed, position, purpose): not on the
+    batch, the row, how many numbers were drawn before, or K.  No host sync.
+    """
+    if seed.dim() != 1 or seed.dtype != torch.int64:
+        raise ValueError(f"seed: expected (B,) int64, got {tuple(seed.shape)} {seed.dtype}")
+    if position.shape != seed.shape or position.dtype != torch.int64 or position.device != seed.device:
+        raise ValueError(
+            f"position: expected {tuple(seed.shape)} int64 on {seed.device}, "
+            f"got {tuple(position.shape)} {position.dtype} on {position.device}"
+        )
+    if n < 0:
+        raise ValueError(f"n: must be >= 0, got {n}")
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose: must be one of {PURPOSES}, got {purpose}")
+    pos = position[:, None] + torch.arange(n, dtype=torch.int64, device=seed.device)  # (B, n)
+    c0 = pos & _MASK32
+    c1 = (pos >> 32) & _MASK32
+    c2 = torch.full_like(c0, purpose)
+    zero = torch.zeros_like(c0)
+    k0 = (seed & _MASK32)[:, None]  # (B, 1)
+    k1 = ((seed >> 32) & _MASK32)[:, None]
+    x = philox4x32_10(c0, c1, c2, zero, k0, k1)[0]  # (B, n): word 0 of each block
     return (x >> 8).to(torch.float32) * (2.0**-24)

@@ -17,31 +17,50 @@ device, shape-static and free of host synchronisation:
    sampled rows get temperature, top-k (ties with the k-th value kept), top-p
    and min-p (:func:`process_logits`, a row-wise wrapper of
    :func:`specserve.sampling.processors.logits_to_probs`);
-3. uniforms: ``philox_uniforms(seed, offset, 2K+1)``, (B, 2K+1): columns [0, K)
-   are the accept tests, [K, 2K] the inverse-CDF draws at positions 0..K, the
-   layout of :meth:`RejectionUniforms.draw`;
+3. uniforms, keyed by output position (:func:`keyed_uniforms`): the inverse-CDF
+   draws ``u(seed, position + j, SAMPLE)`` for j = 0..K and the accept tests
+   ``u(seed, position + j, ACCEPT)`` for j < K (:class:`RejectionUniforms`);
 4. verification exactly as :mod:`specserve.sampling.rejection` defines strict,
    probabilistic and synthetic (its torch functions, or on CUDA the Triton
    kernel of :mod:`specserve.kernels.rejection_kernel` for strict/probabilistic).
    When every row is greedy (and the method is not synthetic) the probabilities
    are skipped: tokens are ``argmax`` and drafts are accepted while they match,
-   which is :func:`rejection_sample_greedy`.
+   which is :func:`rejection_sample_greedy`.  Under ``probabilistic``, rows whose
+   drafts carry no distribution (n-gram, suffix, predictions, argmax drafters)
+   are verified strictly: see below.
 
 Given the same uniforms, the tokens are those of today's path
 (``logits_to_probs`` + ``rejection_sample`` / ``rejection_sample_greedy``) for
 each request; the tests check it case by case.
 
-Random numbers and the offset contract
---------------------------------------
-Every request has a 64-bit ``seed`` (int64 pattern, :func:`seed_to_int64`) and
-an ``offset``: how many numbers of its stream it has consumed.  A step consumes
-exactly ``uniforms_per_step(K) = 2K + 1`` numbers per request, whatever the
-method, the request's own draft count and its batch neighbours, so the caller
-adds 2K+1 to the offset of every request it verified with this K (greedy
-requests may be advanced too; they read no random numbers).  Seeded requests are
-therefore reproducible whatever batch they land in and in any row.  Unseeded
-requests need a seed too: draw one per request at admission
-(:func:`specserve.sampling.philox.random_seed`).
+Random numbers: keyed, never consumed
+-------------------------------------
+Every request has a 64-bit ``seed`` (int64 pattern, :func:`seed_to_int64`) and,
+each step, a ``position``: the output index of its first verified token (the
+number of tokens it has generated so far).  The number deciding the token at
+output position m is ``u(seed, m, SAMPLE)`` however that position is reached --
+as a draft, as the bonus token, or by a plain step -- so nothing depends on K,
+on adaptive speculation, on the request's draft count or on its batch
+neighbours.  Unseeded requests need a seed too: draw one per request at
+admission (:func:`specserve.sampling.philox.random_seed`).
+
+What a seeded request is guaranteed:
+
+* ``strict`` (the default), and any row whose drafts carry no distribution: the
+  emitted token at position m is the inverse-CDF sample of the target's
+  processed distribution at m with ``u(seed, m, SAMPLE)`` -- a draft is accepted
+  exactly when it equals that token.  So the tokens are plain decoding's tokens
+  for that seed, bit for bit where the logits are (the batch-invariant fused CPU
+  decoder); elsewhere a verification forward and a decode forward may differ in
+  the last bits of the logits, which can flip a sample only where two tokens'
+  cumulative probabilities straddle the uniform (a near-tie).
+* ``probabilistic`` rows whose drafts carry q (drafters that sample): lossless
+  (the emitted tokens follow the target distribution exactly) and reproducible
+  for the same sequence of draft lengths (fixed K, any batch); the tokens are
+  not plain decoding's, and with adaptive K they may differ from run to run,
+  because whether a position is verified as a draft (accept test, residual) or
+  as a bonus (plain sample) depends on the draft lengths chosen.
+* ``synthetic``: not lossless (benchmarking only).
 
 Host flags
 ----------
@@ -75,7 +94,7 @@ from torch import Tensor
 
 from specserve.request import GREEDY_EPS
 from specserve.sampling import rejection as _rejection
-from specserve.sampling.philox import philox_uniforms, seed_to_int64
+from specserve.sampling.philox import ACCEPT, SAMPLE, keyed_uniforms, seed_to_int64
 from specserve.sampling.processors import SamplingTensors, logits_to_probs
 from specserve.sampling.rejection import REJECTION_METHODS, RejectionUniforms
 
@@ -85,15 +104,20 @@ __all__ = [
     "SamplerFlags",
     "StepInputs",
     "process_logits",
-    "uniforms_per_step",
+    "step_uniforms",
     "unpack",
     "verify_step",
 ]
 
 
-def uniforms_per_step(K: int) -> int:
-    """Random numbers one request consumes per step with K speculative positions: 2K + 1."""
-    return 2 * K + 1
+def step_uniforms(seed: Tensor, position: Tensor, K: int) -> RejectionUniforms:
+    """The numbers of one verification step: row b's positions ``position[b] .. + K``.
+
+    ``sample[b, j] = u(seed[b], position[b] + j, SAMPLE)`` (j <= K) and
+    ``accept[b, j] = u(seed[b], position[b] + j, ACCEPT)`` (j < K).
+    """
+    return RejectionUniforms(accept=keyed_uniforms(seed, position, K, ACCEPT),
+                             sample=keyed_uniforms(seed, position, K + 1, SAMPLE))
 
 
 @dataclass(frozen=True)
@@ -143,7 +167,7 @@ class RequestTensors:
     top_p: Tensor  # (B,) float32; 1.0 = off
     min_p: Tensor  # (B,) float32; 0.0 = off
     seed: Tensor  # (B,) int64: 64-bit Philox key (seed_to_int64)
-    offset: Tensor  # (B,) int64 >= 0: random numbers the request consumed before this step
+    position: Tensor  # (B,) int64 >= 0: output index of the request's first verified token
     flags: SamplerFlags
 
     @property
@@ -158,7 +182,7 @@ class RequestTensors:
         top_ps: Sequence[float],
         min_ps: Sequence[float],
         seeds: Sequence[int],
-        offsets: Sequence[int],
+        positions: Sequence[int],
         device: torch.device | str = "cpu",
     ) -> "RequestTensors":
         """From Python lists (validated like :meth:`SamplingTensors.build`), with tight flags.
@@ -167,23 +191,24 @@ class RequestTensors:
         :meth:`DeviceSampler.prepare`, which fills persistent buffers.
         """
         st = SamplingTensors.build(temperatures, top_ks, top_ps, min_ps, device)  # validates the values
-        seeds64, offs = _check_seeds_offsets(seeds, offsets, st.num_rows)
+        seeds64, pos = _check_seeds_positions(seeds, positions, st.num_rows)
         return cls(
             temperature=st.temperature, top_k=st.top_k, top_p=st.top_p, min_p=st.min_p,
             seed=torch.tensor(seeds64, dtype=torch.int64, device=device),
-            offset=torch.tensor(offs, dtype=torch.int64, device=device),
+            position=torch.tensor(pos, dtype=torch.int64, device=device),
             flags=SamplerFlags.from_lists(temperatures, top_ks, top_ps, min_ps),
         )
 
 
-def _check_seeds_offsets(seeds: Sequence[int], offsets: Sequence[int], n: int) -> tuple[list[int], list[int]]:
-    if len(seeds) != n or len(offsets) != n:
-        raise ValueError(f"seeds/offsets: expected {n} values each (one per row), got {len(seeds)} and {len(offsets)}")
+def _check_seeds_positions(seeds: Sequence[int], positions: Sequence[int], n: int) -> tuple[list[int], list[int]]:
+    if len(seeds) != n or len(positions) != n:
+        raise ValueError(f"seeds/positions: expected {n} values each (one per row), "
+                         f"got {len(seeds)} and {len(positions)}")
     seeds64 = [seed_to_int64(int(s)) for s in seeds]
-    offs = [int(o) for o in offsets]
-    if any(not 0 <= o < 2**62 for o in offs):
-        raise ValueError(f"offsets: must be in [0, 2**62), got {offs}")
-    return seeds64, offs
+    pos = [int(o) for o in positions]
+    if any(not 0 <= o < 2**62 for o in pos):
+        raise ValueError(f"positions: must be in [0, 2**62), got {pos}")
+    return seeds64, pos
 
 
 def _rows(t: Tensor, repeats: int) -> Tensor:
@@ -217,7 +242,8 @@ def process_logits(
     return probs
 
 
-def _check_verify_inputs(logits, row_index, draft_ids, num_drafts, req, draft_probs) -> tuple[int, int, int]:
+def _check_verify_inputs(logits, row_index, draft_ids, num_drafts, req, draft_probs,
+                         draft_has_q) -> tuple[int, int, int]:
     # Shapes, dtypes and devices only (host metadata): values are never read here.
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits: expected (R, V) floating point, got {tuple(logits.shape)} {logits.dtype}")
@@ -235,7 +261,7 @@ def _check_verify_inputs(logits, row_index, draft_ids, num_drafts, req, draft_pr
         ("top_p", req.top_p, (B,), torch.float32),
         ("min_p", req.min_p, (B,), torch.float32),
         ("seed", req.seed, (B,), torch.int64),
-        ("offset", req.offset, (B,), torch.int64),
+        ("position", req.position, (B,), torch.int64),
     ):
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != dev:
             raise ValueError(f"{name}: expected {shape} {dtype} on {dev}, got {tuple(t.shape)} {t.dtype} on {t.device}")
@@ -244,6 +270,12 @@ def _check_verify_inputs(logits, row_index, draft_ids, num_drafts, req, draft_pr
     ):
         raise ValueError(f"draft_probs: expected ({B}, {K}, {V}) float32 on {dev}, "
                          f"got {tuple(draft_probs.shape)} {draft_probs.dtype} on {draft_probs.device}")
+    if draft_has_q is not None and (
+        draft_probs is None or tuple(draft_has_q.shape) != (B,) or draft_has_q.dtype != torch.bool
+        or draft_has_q.device != dev
+    ):
+        raise ValueError(f"draft_has_q: expected ({B},) bool on {dev} together with draft_probs, "
+                         f"got {tuple(draft_has_q.shape)} {draft_has_q.dtype} on {draft_has_q.device}")
     if V == 0:
         raise ValueError("logits: vocabulary dimension is empty")
     return B, K, V
@@ -259,6 +291,7 @@ def verify_step(
     method: str = "strict",
     synthetic_acceptance_rate: float | None = None,
     draft_probs: Tensor | None = None,
+    draft_has_q: Tensor | None = None,
     use_kernel: bool | None = None,
 ) -> Tensor:
     """Sample / verify every request of a step on the device; returns packed (B, K+2) int64.
@@ -272,14 +305,18 @@ def verify_step(
         req: per-request tensors (B,) and host flags.
         method: "strict", "probabilistic" or "synthetic" (+ ``synthetic_acceptance_rate``).
         draft_probs: (B, K, V) float32 draft distributions for "probabilistic"; None =
-            one-hot at the draft (n-gram, suffix, greedy drafters).  Ignored by the others.
+            no row's drafts carry one (n-gram, suffix, argmax drafters): then every row
+            is verified strictly (the same distribution as probabilistic with one-hot q,
+            and the tokens of plain decoding for the request's seed).  Ignored by the others.
+        draft_has_q: (B,) bool with ``draft_probs``: which rows' drafts were sampled from
+            their ``draft_probs`` row; the others are verified strictly.  None = all.
         use_kernel: None = the Triton kernel for strict/probabilistic when ``logits`` is on
             CUDA and triton imports; True forces it (CPU needs TRITON_INTERPRET=1); False = torch.
 
     Returns:
         (B, K+2) int64: ``[:, :K+1]`` the tokens (-1 padded), ``[:, K+1]`` num_accepted.
-        Consumes ``uniforms_per_step(K)`` numbers of every request's stream (the caller
-        advances ``offset``).  Nothing here reads a device value on the host.
+        Random numbers are keyed by (seed, output position, purpose) (:func:`step_uniforms`):
+        nothing to advance.  Nothing here reads a device value on the host.
     """
     if method not in REJECTION_METHODS:
         raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
@@ -289,7 +326,9 @@ def verify_step(
             raise ValueError(f"synthetic_acceptance_rate: must be in [0, 1] with method 'synthetic', got {rate}")
     elif rate is not None:
         raise ValueError(f"synthetic_acceptance_rate: only valid with method 'synthetic', not {method!r}")
-    B, K, V = _check_verify_inputs(logits, row_index, draft_ids, num_drafts, req, draft_probs)
+    B, K, V = _check_verify_inputs(logits, row_index, draft_ids, num_drafts, req, draft_probs, draft_has_q)
+    if method == "probabilistic" and draft_probs is None:
+        method = "strict"  # no row has a q: one-hot q everywhere is strict verification
     if use_kernel is None:
         use_kernel = logits.is_cuda and method != "synthetic" and _triton_available()
     elif use_kernel and method == "synthetic":
@@ -303,8 +342,7 @@ def verify_step(
         emit = t.gather(1, num_accepted[:, None]).squeeze(1)  # (B,)
         return _pack(_rejection._finish(emit, t[:, K:], draft_ids, num_accepted))
 
-    u = philox_uniforms(req.seed, req.offset, uniforms_per_step(K))  # (B, 2K+1)
-    uniforms = RejectionUniforms(accept=u[:, :K], sample=u[:, K:])  # (B, K), (B, K+1)
+    uniforms = step_uniforms(req.seed, req.position, K)  # (B, K) accept tests, (B, K+1) draws
     if flags.all_greedy:  # synthetic on greedy rows: argmax targets, accept iff u < rate
         t = logits.argmax(dim=-1)[row_index]  # (B, K+1)
         num_accepted = _rejection._chain_accepted(uniforms.accept < rate, num_drafts)
@@ -316,7 +354,20 @@ def verify_step(
         rows, _rows(req.temperature, K + 1), _rows(req.top_k, K + 1), _rows(req.top_p, K + 1),
         _rows(req.min_p, K + 1), flags,
     ).view(B, K + 1, V)  # (B, K+1, V)
-    q = draft_probs if method == "probabilistic" else None
+    if method == "synthetic":
+        return _pack(_rejection._synthetic(probs, draft_ids, num_drafts, uniforms, rate))
+    packed = _verify(probs, draft_ids, num_drafts, draft_probs if method == "probabilistic" else None, uniforms,
+                     method, use_kernel)
+    if method == "probabilistic" and draft_has_q is not None:
+        # rows without a q: strict, so their tokens are the seed's plain-decoding tokens
+        strict = _verify(probs, draft_ids, num_drafts, None, uniforms, "strict", use_kernel)
+        packed = torch.where(draft_has_q[:, None], packed, strict)
+    return packed
+
+
+def _verify(probs: Tensor, draft_ids: Tensor, num_drafts: Tensor, q: Tensor | None, uniforms: RejectionUniforms,
+            method: str, use_kernel: bool) -> Tensor:
+    """Strict or probabilistic verification of processed probabilities, packed (B, K+2)."""
     if use_kernel:
         from specserve.kernels.rejection_kernel import rejection_sample_triton
 
@@ -325,12 +376,8 @@ def verify_step(
         )
         return torch.cat([ids, num_accepted[:, None]], dim=1)
     if method == "strict":
-        out = _rejection._strict(probs, draft_ids, num_drafts, uniforms)
-    elif method == "probabilistic":
-        out = _rejection._probabilistic(probs, draft_ids, num_drafts, q, uniforms)
-    else:
-        out = _rejection._synthetic(probs, draft_ids, num_drafts, uniforms, rate)
-    return _pack(out)
+        return _pack(_rejection._strict(probs, draft_ids, num_drafts, uniforms))
+    return _pack(_rejection._probabilistic(probs, draft_ids, num_drafts, q, uniforms))
 
 
 def _pack(out: _rejection.RejectionOutput) -> Tensor:
@@ -361,7 +408,7 @@ class StepInputs:
 
 
 # Persistent input layout: field-major, int64 fields first so every float32 field stays aligned.
-_INT_FIELDS = ("top_k", "seed", "offset", "num_drafts", "row_index", "draft_ids")
+_INT_FIELDS = ("top_k", "seed", "position", "num_drafts", "row_index", "draft_ids")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
 
@@ -407,7 +454,7 @@ class DeviceSampler:
         self.vocab_size = vocab_size
         self.use_kernel = use_kernel
         pin = self.device.type == "cuda"
-        shapes = {"top_k": (N,), "seed": (N,), "offset": (N,), "num_drafts": (N,),
+        shapes = {"top_k": (N,), "seed": (N,), "position": (N,), "num_drafts": (N,),
                   "row_index": (N, K + 1), "draft_ids": (N, K),
                   "temperature": (N,), "top_p": (N,), "min_p": (N,)}
         layout, nbytes = {}, 0
@@ -430,11 +477,6 @@ class DeviceSampler:
         self._d2h_done = torch.cuda.Event() if cuda else None
         self._h2d_pending = False
 
-    @property
-    def uniforms_per_step(self) -> int:
-        """Numbers each verified request consumes per step: add this to its offset (2K + 1)."""
-        return uniforms_per_step(self.K)
-
     def prepare(
         self,
         rows: Sequence[int],
@@ -444,23 +486,23 @@ class DeviceSampler:
         top_ps: Sequence[float],
         min_ps: Sequence[float],
         seeds: Sequence[int],
-        offsets: Sequence[int],
+        positions: Sequence[int],
         pad_to: int | None = None,
         flags: SamplerFlags | None = None,
     ) -> StepInputs:
         """Fill the persistent buffers for B requests (one host->device copy); returns views (B', ...).
 
         When no request has drafts, the views are those of a K = 0 step (row_index (B', 1),
-        draft_ids (B', 0), offsets advanced by K): the packed result is (B', 2) and its
-        tokens are the ones the full (B', K+2) step would emit; offsets still advance by
-        ``uniforms_per_step`` (2K + 1) after it.
+        draft_ids (B', 0)): the packed result is (B', 2) and its tokens are the ones the
+        full (B', K+2) step would emit (the same keyed numbers).
 
         Args:
             rows: per request, the logits row of its first verified position (row_index[b, j]
                 = rows[b] + min(j, len(drafts[b]))).
             drafts: per request, its draft token ids (at most K).
             temperatures, top_ks, top_ps, min_ps: as :meth:`SamplingTensors.build`.
-            seeds: 64-bit seeds in [-2**63, 2**64 - 1]; offsets: the requests' stream positions.
+            seeds: 64-bit seeds in [-2**63, 2**64 - 1]; positions: each request's output
+                index of its first verified token (the tokens it has generated so far).
             pad_to: B' >= B rows to expose (a captured graph's batch size); padding rows are
                 greedy with no drafts and read logits row 0; their results are to be ignored.
             flags: None = the batch's tight flags (:meth:`SamplerFlags.from_lists`).
@@ -471,7 +513,7 @@ class DeviceSampler:
             raise ValueError(f"rows/pad_to: need 1 <= B={B} <= pad_to={Bp} <= max_num_seqs={self.max_num_seqs}")
         n_pad = Bp - B
         SamplingTensors.build(temperatures, top_ks, top_ps, min_ps)  # validates lengths and ranges (tiny, host)
-        seeds64, offs = _check_seeds_offsets(seeds, offsets, B)
+        seeds64, pos = _check_seeds_positions(seeds, positions, B)
         if len(drafts) != B:
             raise ValueError(f"drafts: expected {B} lists (one per row), got {len(drafts)}")
         lens = [len(d) for d in drafts]
@@ -498,9 +540,9 @@ class DeviceSampler:
         h["min_p"][:B] = min_ps
         h["seed"][:B] = seeds64
         # A step without any draft verifies position 0 only (1/(K+1) of the work for sampled
-        # rows): the same token, as it reads the same number, u(offset + K), of each stream.
+        # rows): the same token, as it reads the same keyed number.
         plain = self.K > 0 and not any(lens)
-        h["offset"][:B] = [o + self.K for o in offs] if plain else offs
+        h["position"][:B] = pos
         h["num_drafts"][:B] = lens
         j = np.arange(self.K + 1)[None, :]  # (1, K+1)
         h["row_index"][:B] = np.asarray(rows, dtype=np.int64)[:, None] + np.minimum(j, np.asarray(lens)[:, None])
@@ -510,7 +552,7 @@ class DeviceSampler:
             ids[b, : len(d)] = d
         if n_pad:
             for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("seed", 0),
-                                ("offset", 0), ("num_drafts", 0), ("row_index", 0), ("draft_ids", -1)):
+                                ("position", 0), ("num_drafts", 0), ("row_index", 0), ("draft_ids", -1)):
                 h[name][B:Bp] = value
         self._device_bytes.copy_(self._staging, non_blocking=True)
         if self._h2d_done is not None:
@@ -522,16 +564,17 @@ class DeviceSampler:
         return StepInputs(
             row_index=d["row_index"], draft_ids=d["draft_ids"], num_drafts=d["num_drafts"],
             requests=RequestTensors(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"],
-                                    min_p=d["min_p"], seed=d["seed"], offset=d["offset"], flags=flags),
+                                    min_p=d["min_p"], seed=d["seed"], position=d["position"], flags=flags),
             num_real=B,
         )
 
-    def sample(self, logits: Tensor, inputs: StepInputs, draft_probs: Tensor | None = None) -> Tensor:
+    def sample(self, logits: Tensor, inputs: StepInputs, draft_probs: Tensor | None = None,
+               draft_has_q: Tensor | None = None) -> Tensor:
         """:func:`verify_step` on the prepared inputs; packed (B', K+2) int64 on the device."""
         return verify_step(
             logits, inputs.row_index, inputs.draft_ids, inputs.num_drafts, inputs.requests,
             method=self.method, synthetic_acceptance_rate=self.synthetic_acceptance_rate,
-            draft_probs=draft_probs, use_kernel=self.use_kernel,
+            draft_probs=draft_probs, draft_has_q=draft_has_q, use_kernel=self.use_kernel,
         )
 
     def copy_to_host(self, packed: Tensor) -> Tensor:

@@ -145,6 +145,7 @@ def test_head_sampler_q_is_what_it_samples_from():
     class Seq:
         def __init__(self, i, t):
             self.request_id, self.params = f"r{i}", SamplingParams(temperature=t, top_k=8, seed=i)
+            self.seed = i  # the engine sets a sequence's Philox key at admission
 
     V, n = 12, 4000
     logits = torch.randn(1, V, generator=torch.Generator().manual_seed(0)) * 2

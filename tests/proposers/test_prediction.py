@@ -263,7 +263,6 @@ def test_draftless_step_samples_what_the_full_step_would(method):
         RequestTensors.build(temps, top_ks, top_ps, min_ps, seeds, offsets), method=method, synthetic_acceptance_rate=rate,
     )
     assert fast == [(row[: row[-1] + 1], row[-1]) for row in full.tolist()]
-    assert sampler.uniforms_per_step == 2 * K + 1
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 
 Today's path is what the engine's ``_verify_batch`` does: ``logits_to_probs`` on the gathered
 rows, then ``rejection_sample`` (or ``rejection_sample_greedy`` when every request is greedy).
-Fed the same Philox uniforms, the device sampler must emit the same tokens and accepted
-counts; seeded requests must be unchanged by their batch neighbours; strict and
+Fed the same keyed uniforms (``step_uniforms``), the device sampler must emit the same
+tokens and accepted counts (rows without a draft distribution verified strictly, as the
+engine verifies them); seeded requests must be unchanged by their batch neighbours; strict and
 probabilistic must converge to the target; and the whole step must be capturable: no host
 synchronisation, no data-dependent shapes, one graph under ``torch.compile(fullgraph=True)``.
 """
@@ -25,13 +26,12 @@ from specserve.sampling import (
     SamplerFlags,
     SamplingTensors,
     logits_to_probs,
-    philox_uniforms,
     process_logits,
     rejection_sample,
     rejection_sample_greedy,
     sample_from_probs,
     seed_to_int64,
-    uniforms_per_step,
+    step_uniforms,
     unpack,
     verify_step,
 )
@@ -74,7 +74,7 @@ class Case:
         self.min_ps = {"mixed": torch.where(r(B) < 0.5, mp, 0.0), "all": mp, "none": torch.zeros(B)}[min_p].tolist()
         self.seeds = [int(s) for s in torch.randint(-(2**63), 2**63 - 1, (B,), generator=g)]
         self.seeds[0] = 2**64 - 5  # an unsigned seed, as the engine accepts them
-        self.offsets = torch.randint(0, 10**6, (B,), generator=g).tolist()
+        self.positions = torch.randint(0, 10**6, (B,), generator=g).tolist()
         # drafts: the argmax of the verified row (often accepted) or a random token
         argmax = logits.argmax(-1)[self.row_index[:, :K]]  # (B, K)
         drafts = torch.where(r(B, K) < 0.7, argmax, torch.randint(0, V, (B, K), generator=g))
@@ -91,7 +91,7 @@ class Case:
         idx = list(range(self.B)) if idx is None else idx
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
         req = RequestTensors.build(pick(self.temps), pick(self.top_ks), pick(self.top_ps), pick(self.min_ps),
-                                   pick(self.seeds), pick(self.offsets))
+                                   pick(self.seeds), pick(self.positions))
         if flags is not None:
             req.flags = flags
         return req
@@ -109,13 +109,14 @@ def device_result(case, method, with_q, flags=None, **kw):
 
 
 def todays_result(case, method, with_q, idx=None):
-    """The engine's path today, on requests ``idx`` (all by default), fed the same Philox uniforms."""
+    """The reference path on requests ``idx`` (all by default), fed the same keyed uniforms:
+    probabilities, then ``rejection_sample``; probabilistic without q is strict verification."""
     idx = list(range(case.B)) if idx is None else idx
     K, V = case.K, case.V
     row_index, drafts, n = case.row_index[idx], case.drafts[idx], case.n[idx]
     B = len(idx)
     seeds = torch.tensor([seed_to_int64(case.seeds[i]) for i in idx])
-    u = philox_uniforms(seeds, torch.tensor([case.offsets[i] for i in idx]), 2 * K + 1)
+    u = step_uniforms(seeds, torch.tensor([case.positions[i] for i in idx]), K)
     temps = [case.temps[i] for i in idx]
     if all(t < 1e-5 for t in temps) and method != "synthetic":
         out = rejection_sample_greedy(case.logits.argmax(dim=-1)[row_index], drafts, n)
@@ -124,8 +125,8 @@ def todays_result(case, method, with_q, idx=None):
                                    [case.min_ps[i] for i in idx]).repeat_interleave(K + 1)
         probs = logits_to_probs(case.logits[row_index].view(B * (K + 1), V), st).view(B, K + 1, V)
         out = rejection_sample(
-            probs, drafts, n, case.draft_probs[idx] if with_q else None,
-            RejectionUniforms(accept=u[:, :K].contiguous(), sample=u[:, K:].contiguous()), method,
+            probs, drafts, n, case.draft_probs[idx] if with_q else None, u,
+            "strict" if method == "probabilistic" and not with_q else method,
             0.6 if method == "synthetic" else None, use_kernel=False,
         )
     return torch.cat([out.output_token_ids, out.num_accepted[:, None]], dim=1)
@@ -151,7 +152,7 @@ def test_matches_todays_path_request_by_request(method, with_q, K, seed):
 def test_the_cases_are_not_trivial(method, with_q):
     """Over the cases above: sampled rows accept and reject drafts; rows accept all K."""
     sampled_accepts = rejects = all_accepted = 0
-    for seed in (0, 1):
+    for seed in (0, 1, 2):
         for K in (2, 4):
             case = Case(seed * 10 + K, B=10, K=K, V=37)
             acc = device_result(case, method, with_q)[:, -1]
@@ -215,18 +216,19 @@ def run_request_in_batches(sampler_args, x, neighbours, position, steps=4):
     batch = neighbours[:position] + [x] + neighbours[position:]
     sampler = DeviceSampler(8, K, "cpu", method=sampler_args["method"], vocab_size=V,
                             synthetic_acceptance_rate=sampler_args.get("rate"))
-    offsets = [r["offset"] for r in batch]
+    positions = [r["position"] for r in batch]
     outs = []
     for step in range(steps):
         logits = torch.cat([r["logits"][step] for r in batch])  # each request: K+1 rows per step
         rows = [i * (K + 1) for i in range(len(batch))]
         inputs = sampler.prepare(
             rows, [r["drafts"][step] for r in batch], [r["temp"] for r in batch], [r["top_k"] for r in batch],
-            [r["top_p"] for r in batch], [r["min_p"] for r in batch], [r["seed"] for r in batch], offsets,
+            [r["top_p"] for r in batch], [r["min_p"] for r in batch], [r["seed"] for r in batch], positions,
             pad_to=8,
         )
-        outs.append(sampler.fetch(sampler.sample(logits, inputs), len(batch))[position])
-        offsets = [o + sampler.uniforms_per_step for o in offsets]
+        got = sampler.fetch(sampler.sample(logits, inputs), len(batch))
+        outs.append(got[position])
+        positions = [p + len(toks) for p, (toks, _) in zip(positions, got)]  # the tokens each emitted
     return outs
 
 
@@ -241,7 +243,7 @@ def random_request(g, K, V, steps=4, seed=None, temp=None, min_p=None):
         top_p=0.5 + 0.5 * r() if r() < 0.5 else 1.0,
         min_p=min_p if min_p is not None else (0.1 * r() if r() < 0.5 else 0.0),
         seed=seed if seed is not None else int(torch.randint(-(2**62), 2**62, (), generator=g)),
-        offset=int(torch.randint(0, 1000, (), generator=g)),
+        position=int(torch.randint(0, 1000, (), generator=g)),
     )
 
 
@@ -253,14 +255,14 @@ def test_seeded_stream_is_unchanged_by_neighbours(method):
     x = random_request(g, K, V, seed=2**64 - 99, temp=0.8, min_p=0.0)
     alone = run_request_in_batches(args, x, [], 0)
     crowd = [random_request(g, K, V) for _ in range(6)]
-    crowd[0]["seed"], crowd[0]["offset"] = x["seed"], x["offset"] + 1  # same seed, shifted stream
+    crowd[0]["seed"], crowd[0]["position"] = x["seed"], x["position"] + 1  # same seed, shifted positions
     crowd[1]["min_p"], crowd[1]["temp"] = 0.2, 1.1  # a min-p neighbour
     assert run_request_in_batches(args, x, crowd, 3) == alone
     assert run_request_in_batches(args, x, crowd[::-1][:4], 0) == alone
     assert run_request_in_batches(args, x, crowd[2:], 4) == alone
-    # the stream matters: another seed, or another offset, gives other tokens somewhere
+    # the key matters: another seed, or another position, gives other tokens somewhere
     assert run_request_in_batches(args, dict(x, seed=12345), [], 0) != alone
-    assert run_request_in_batches(args, dict(x, offset=x["offset"] + 7), [], 0) != alone
+    assert run_request_in_batches(args, dict(x, position=x["position"] + 7), [], 0) != alone
 
 
 # --- convergence to the target ---------------------------------------------------------------
@@ -292,7 +294,7 @@ def test_emitted_tokens_follow_the_processed_target(method, with_q):
     q = 0.5 * p[:K] + 0.5 * torch.softmax(torch.randn(K, V, generator=g), -1)
     drafts = sample_from_probs(q.repeat(N, 1), torch.rand(N * K, generator=g)).view(N, K)
     req = RequestTensors.build([temp] * N, [top_k] * N, [top_p] * N, [0.0] * N, [777] * N,
-                               (torch.arange(N) * uniforms_per_step(K)).tolist())  # one seed's stream
+                               (torch.arange(N) * (K + 1)).tolist())  # one seed, disjoint positions
     packed = verify_step(
         logits.repeat(N, 1), torch.arange(N * (K + 1)).view(N, K + 1), drafts, torch.full((N,), K), req,
         method=method, draft_probs=q.expand(N, K, V).contiguous() if with_q else None,
@@ -324,7 +326,7 @@ def test_runs_on_the_meta_device(method, with_q, K):
     for flags in (case.requests().flags, SamplerFlags.conservative(), SamplerFlags(all_greedy=True)):
         req = case.requests(flags)
         req_meta = RequestTensors(*(meta(getattr(req, f)) for f in
-                                    ("temperature", "top_k", "top_p", "min_p", "seed", "offset")), flags=flags)
+                                    ("temperature", "top_k", "top_p", "min_p", "seed", "position")), flags=flags)
         out = verify_step(
             meta(case.logits), meta(case.row_index), meta(case.drafts), meta(case.n), req_meta, method=method,
             synthetic_acceptance_rate=0.5 if method == "synthetic" else None,
@@ -437,7 +439,7 @@ def check_compiled(backend, cases):
         g = torch.Generator().manual_seed(1)
         second.logits = torch.randn(second.logits.shape, generator=g) * 3
         second.seeds = [s + 1 for s in second.seeds[1:]] + [7]
-        second.offsets = [o + 5 for o in second.offsets]
+        second.positions = [o + 5 for o in second.positions]
         second.temps = [t * 1.1 for t in second.temps]
         valid = second.drafts >= 0
         second.drafts[valid] = (second.drafts[valid] + 1) % 13
@@ -476,9 +478,8 @@ def test_compiles_with_inductor():
 def test_device_sampler_round_trip_equals_verify_step(K):
     case = Case(9, B=7, K=K, V=43)
     sampler = DeviceSampler(16, K, "cpu", method="probabilistic", vocab_size=43)
-    assert sampler.uniforms_per_step == 2 * K + 1
     inputs = sampler.prepare(case.rows, case.draft_lists(), case.temps, case.top_ks, case.top_ps, case.min_ps,
-                             case.seeds, case.offsets)
+                             case.seeds, case.positions)
     assert torch.equal(inputs.row_index, case.row_index) and torch.equal(inputs.draft_ids, case.drafts)
     assert torch.equal(inputs.num_drafts, case.n)
     packed = sampler.sample(case.logits, inputs)
@@ -492,10 +493,10 @@ def test_device_sampler_round_trip_equals_verify_step(K):
 def test_prepare_reuses_the_same_buffers_and_pads():
     case = Case(10, B=5, K=2, V=21)
     sampler = DeviceSampler(8, 2, "cpu", method="strict", vocab_size=21)
-    args = (case.draft_lists(), case.temps, case.top_ks, case.top_ps, case.min_ps, case.seeds, case.offsets)
+    args = (case.draft_lists(), case.temps, case.top_ks, case.top_ps, case.min_ps, case.seeds, case.positions)
     padded = sampler.prepare(case.rows, *args, pad_to=8)
     ptrs = [t.data_ptr() for t in (padded.row_index, padded.draft_ids, padded.num_drafts,
-                                   padded.requests.temperature, padded.requests.seed, padded.requests.offset)]
+                                   padded.requests.temperature, padded.requests.seed, padded.requests.position)]
     result = sampler.sample(case.logits, padded)
     assert result.shape == (8, 4) and padded.num_real == 5
     assert padded.requests.temperature[5:].tolist() == [0.0] * 3 and padded.num_drafts[5:].tolist() == [0] * 3
@@ -503,7 +504,7 @@ def test_prepare_reuses_the_same_buffers_and_pads():
     smaller = sampler.prepare(case.rows[:3], *(a[:3] for a in args), pad_to=8)  # another batch, same graph
     assert [t.data_ptr() for t in (smaller.row_index, smaller.draft_ids, smaller.num_drafts,
                                    smaller.requests.temperature, smaller.requests.seed,
-                                   smaller.requests.offset)] == ptrs
+                                   smaller.requests.position)] == ptrs
     assert smaller.draft_ids[3:].eq(-1).all() and smaller.requests.flags.any_greedy
     assert len(sampler.fetch(sampler.sample(case.logits, smaller), 3)) == 3
 
@@ -511,13 +512,13 @@ def test_prepare_reuses_the_same_buffers_and_pads():
 def test_prepare_and_verify_errors_name_the_argument():
     sampler = DeviceSampler(4, 2, "cpu", vocab_size=10)
     good = dict(rows=[0, 3], drafts=[[1, 2], []], temperatures=[1.0, 0.0], top_ks=[0, 0], top_ps=[1.0, 1.0],
-                min_ps=[0.0, 0.0], seeds=[1, 2], offsets=[0, 0])
+                min_ps=[0.0, 0.0], seeds=[1, 2], positions=[0, 0])
     for change, match in [
         (dict(drafts=[[1, 2, 3], []]), "drafts"),
         (dict(drafts=[[1, 10], []]), "drafts"),
         (dict(drafts=[[1]]), "drafts"),
         (dict(seeds=[1, 2**64]), "seed"),
-        (dict(offsets=[0, -1]), "offsets"),
+        (dict(positions=[0, -1]), "positions"),
         (dict(top_ps=[0.0, 1.0]), "top_ps"),
         (dict(rows=[0, -1]), "rows"),
         (dict(rows=[0] * 5, drafts=[[]] * 5), "max_num_seqs"),
@@ -564,7 +565,7 @@ def test_kernel_path_matches_the_torch_path(method, with_q):
     expected = device_result(case, method, with_q, use_kernel=False)
     req = case.requests()
     req_dev = RequestTensors(*(getattr(req, f).to(device) for f in
-                               ("temperature", "top_k", "top_p", "min_p", "seed", "offset")), flags=req.flags)
+                               ("temperature", "top_k", "top_p", "min_p", "seed", "position")), flags=req.flags)
     got = verify_step(case.logits.to(device), case.row_index.to(device), case.drafts.to(device),
                       case.n.to(device), req_dev, method=method,
                       draft_probs=case.draft_probs.to(device) if with_q else None, use_kernel=True)
