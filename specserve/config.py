@@ -73,6 +73,9 @@ class SpeculativeConfig:
     prompt_lookup_max: Optional[int] = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
+    # Estimated memory (bytes) of the global suffix trees, all tenants together; the
+    # oldest responses are evicted first beyond it or beyond max_cached_requests.
+    suffix_decoding_max_cached_bytes: int = 1 << 30
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     # layer_skip (self-speculation): target layer ids the draft skips, or null = choose
@@ -125,6 +128,11 @@ class EngineConfig:
     num_prediction_tokens: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
+    # Chunked-prefill fairness: while other requests wait to be admitted, one request's
+    # prefill chunk takes at most this many of a step's tokens, so they start in the same
+    # step (vLLM's long_prefill_token_threshold).  null = max_num_batched_tokens // 4;
+    # 0 = no cap.  Decoding requests' tokens are always set aside before prefill chunks.
+    long_prefill_token_threshold: Optional[int] = None
     seed: int = 0
     num_threads: Optional[int] = None  # torch intra-op threads on CPU
     # CPU bf16 data path: "fused" runs each forward in one C call
@@ -149,8 +157,14 @@ class ServerConfig:
     max_queue: int = 256
     max_tokens_cap: int = 4096
     default_max_tokens: int = 256
+    # API keys: one, or several separated by commas (each is a tenant: no cache is shared
+    # across keys).  Unset: read from the variable named by api_key_env; none = no auth.
     api_key: Optional[str] = None
     api_key_env: str = "SPECSERVE_API_KEY"
+    # The key /metrics needs when set (here or in the variable named by metrics_key_env);
+    # otherwise /metrics takes any API key, and is open only when there is none.
+    metrics_key: Optional[str] = None
+    metrics_key_env: str = "SPECSERVE_METRICS_KEY"
     tls_cert_file: Optional[str] = None
     tls_key_file: Optional[str] = None
     drain_timeout_s: float = 30.0
@@ -164,6 +178,14 @@ class ServerConfig:
     # handshake must finish within it, and keepalive pings find half-open connections.
     idle_timeout_s: float = 30.0
     body_timeout_s: float = 30.0
+    # Structured outputs: grammars compile in grammar_compile_threads worker threads, never on
+    # the engine thread, once per distinct grammar (an LRU cache of grammar_cache_entries).
+    # A grammar longer than grammar_max_chars (as llguidance grammar text), or not compiled
+    # within grammar_compile_timeout_s, fails its request alone (400 / INVALID_ARGUMENT).
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_threads: int = 2
+    grammar_cache_entries: int = 64
+    grammar_max_chars: int = 1_000_000
 
 
 @dataclass
@@ -228,6 +250,17 @@ def _int(key: str, value: Any, minimum: int | None = None) -> None:
         raise ConfigError(key, f"must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise ConfigError(key, f"must be >= {minimum}, got {value}")
+
+
+def split_api_keys(text: Optional[str], key: str) -> tuple[str, ...]:
+    """The comma-separated API keys of ``text`` (None or "" = none); ConfigError naming
+    ``key`` (the config key or environment variable they came from) for an empty one."""
+    if not text:
+        return ()
+    keys = tuple(part.strip() for part in text.split(","))
+    if not all(keys):
+        raise ConfigError(key, "holds an empty API key: separate non-empty keys with single commas")
+    return keys
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -299,6 +332,7 @@ def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[Mod
     s.prompt_lookup_min, s.prompt_lookup_max = lo, hi
     _int(f"{p}.suffix_decoding_max_tree_depth", s.suffix_decoding_max_tree_depth, 1)
     _int(f"{p}.suffix_decoding_max_cached_requests", s.suffix_decoding_max_cached_requests, 0)
+    _int(f"{p}.suffix_decoding_max_cached_bytes", s.suffix_decoding_max_cached_bytes, 0)
     if not s.suffix_decoding_max_spec_factor > 0:
         raise ConfigError(f"{p}.suffix_decoding_max_spec_factor", "must be > 0")
     if not 0.0 <= s.suffix_decoding_min_token_prob <= 1.0:
@@ -373,6 +407,8 @@ def validate_config(cfg: Config) -> Config:
         raise ConfigError("engine.num_prediction_tokens", f"must be <= {MAX_SPECULATIVE_TOKENS}, got {e.num_prediction_tokens}")
     _int("engine.max_num_seqs", e.max_num_seqs, 1)
     _int("engine.max_num_batched_tokens", e.max_num_batched_tokens, 1)
+    if e.long_prefill_token_threshold is not None:
+        _int("engine.long_prefill_token_threshold", e.long_prefill_token_threshold, 0)
     if e.num_threads is not None:
         _int("engine.num_threads", e.num_threads, 1)
     if e.cpu_kernel not in CPU_KERNELS:
@@ -391,10 +427,15 @@ def validate_config(cfg: Config) -> Config:
     if not srv.drain_timeout_s >= 0:
         raise ConfigError("server.drain_timeout_s", "must be >= 0")
     _int("server.tokenizer_threads", srv.tokenizer_threads, 1)
-    for key in ("idle_timeout_s", "body_timeout_s"):
+    for key in ("grammar_compile_threads", "grammar_cache_entries", "grammar_max_chars"):
+        _int(f"server.{key}", getattr(srv, key), 1)
+    for key in ("idle_timeout_s", "body_timeout_s", "grammar_compile_timeout_s"):
         value = getattr(srv, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"server.{key}", f"must be a number of seconds > 0, got {value!r}")
+    split_api_keys(srv.api_key, "server.api_key")
+    if srv.metrics_key is not None and (not srv.metrics_key.strip() or "," in srv.metrics_key):
+        raise ConfigError("server.metrics_key", "must be one non-empty key (no commas), or null")
     if bool(srv.tls_cert_file) != bool(srv.tls_key_file):
         raise ConfigError("server.tls_cert_file", "TLS needs both server.tls_cert_file and server.tls_key_file")
     b = cfg.bench

@@ -10,6 +10,8 @@ Automatic prefix caching (``enable_caching``)
 A FULL block whose K/V is computed is registered under the hash chain of its
 tokens: ``h_i = hash((h_{i-1}, tokens of block i))``, so a hash names the block's
 tokens AND everything before them (the K/V of a token depends on its prefix).
+The chain starts from the request's cache partition (``h_{-1}`` = its
+``cache_salt``, set per tenant by the server), so tenants never share blocks.
 The exact key ``(h_{i-1}, tokens)`` is kept too and compared on every lookup, so
 a hash collision can never hand out the wrong K/V.  A registered block whose
 last reference is released stays cached: it joins an LRU list of free-but-cached
@@ -28,11 +30,13 @@ from collections.abc import Sequence
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int, parent: int | None = None,
-                 start: int = 0) -> list[tuple[int, tuple]]:  # fmt: skip
+                 start: int = 0, salt: str | None = None) -> list[tuple[int, tuple]]:  # fmt: skip
     """(hash, key) of full blocks ``start .. num_blocks-1`` of ``token_ids``; ``parent`` is the
-    hash of block ``start - 1`` (None for the first block)."""
+    hash of block ``start - 1`` (ignored for the first block).  ``salt`` (the request's cache
+    partition, ``SamplingParams.cache_salt``) is the first block's parent: equal tokens under
+    different salts never share a hash nor a key, so no block crosses partitions."""
     out = []
-    h = parent
+    h: int | str | None = salt if start == 0 else parent
     for i in range(start, num_blocks):
         key = (h, tuple(token_ids[i * block_size : (i + 1) * block_size]))
         h = hash(key)

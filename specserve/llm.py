@@ -16,6 +16,12 @@ bad key fails with the command line's one-line ``ConfigError``.  Requests run
 on ``LLMEngine`` (continuous batching) with the tokenizer and chat template
 the servers use, so greedy output equals ``specserve-generate`` and the servers.
 
+Log-probabilities: ``SamplingParams(logprobs=k)`` fills ``outputs[0].logprobs`` as vLLM
+does, one ``{token_id: Logprob(logprob, rank, decoded_token)}`` per output token (the
+sampled token and the k most likely), and ``cumulative_logprob``;
+``prompt_logprobs=k`` fills ``GenerationOutput.prompt_logprobs`` (None for the first
+prompt token).  The values are the target's (``specserve.sampling.logits_processors``).
+
 Async: ``AsyncLLM`` streams (``async for out in llm.generate(prompt, params)``)
 from an engine thread; ``await LLM.agenerate(prompts, params)`` (a name from a
 popular how-to; vLLM itself has none) runs ``generate`` off the event loop and
@@ -38,11 +44,24 @@ from typing import Any
 from specserve.compat import compose, engine_overrides
 from specserve.config import Config
 from specserve.errors import InvalidRequestError
-from specserve.request import RequestOutput, SamplingParams, SpecDecodeStats
+from specserve.request import RequestOutput, SamplingParams, SpecDecodeStats, TokenLogprob
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "GenerationOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "GenerationOutput", "Logprob", "SamplingParams"]
+
+
+@dataclass
+class Logprob:
+    """vLLM's ``Logprob``: a token's log-probability, its 1-based rank among the most
+    likely tokens (None when the sampled token is not among the k requested) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PositionLogprobs = dict[int, Logprob]  # token id -> Logprob, for one position
 
 
 @dataclass
@@ -51,16 +70,20 @@ class CompletionOutput:
 
     ``finish_reason``: "stop" (EOS, a stop token or string), "length" (max_tokens /
     max_model_len) or "abort"; None while a streamed request is still running.
-    ``new_text``/``new_token_ids``: what the latest streamed update added."""
+    ``new_text``/``new_token_ids``: what the latest streamed update added.  ``error``: why
+    the request failed (finish_reason "abort"), e.g. its grammar could not go on.
+    With ``SamplingParams(logprobs=k)``: ``logprobs`` (one dict per token of ``token_ids``)
+    and ``cumulative_logprob`` (their sum); None otherwise."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     cumulative_logprob: float | None = None
-    logprobs: None = None
+    logprobs: list[PositionLogprobs] | None = None
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -71,7 +94,8 @@ class GenerationOutput:
     """A request's result (vLLM's ``RequestOutput`` shape) plus its speculative-decoding figures.
 
     ``prompt`` is the text given (the rendered chat template for ``chat``; None
-    for a prompt given as token ids, as in vLLM)."""
+    for a prompt given as token ids, as in vLLM).  ``prompt_logprobs`` (with
+    ``SamplingParams(prompt_logprobs=k)``): one dict per prompt token, None for the first."""
 
     request_id: str
     prompt: str | None
@@ -79,6 +103,7 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     finished: bool
     spec_decode: SpecDecodeStats
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def num_drafts(self) -> int:
@@ -104,14 +129,64 @@ class GenerationOutput:
         return s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else None
 
 
-def _to_output(out: RequestOutput, prompt: str | None, prompt_ids: list[int]) -> GenerationOutput:
-    if out.error is not None:
-        raise RuntimeError(f"request {out.request_id} failed in the engine: {out.error}")
-    reason = out.finish_reason.value if out.finished and out.finish_reason is not None else None
-    completion = CompletionOutput(0, out.text, list(out.token_ids), reason,
-                                  new_text=out.new_text, new_token_ids=list(out.new_token_ids))
-    spec = SpecDecodeStats(out.spec.num_drafts, out.spec.num_draft_tokens, out.spec.num_accepted_tokens)
-    return GenerationOutput(out.request_id, prompt, list(prompt_ids), [completion], out.finished, spec)
+class _Logprobs:
+    """Engine ``TokenLogprob`` entries -> vLLM's dicts, with each token's text decoded once."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.texts: dict[int, str] = {}
+
+    def _text(self, t: int) -> str:
+        text = self.texts.get(t)
+        if text is None:
+            text = self.texts[t] = self.tokenizer.decode([t], skip_special_tokens=False)
+        return text
+
+    def position(self, e: TokenLogprob | None) -> PositionLogprobs | None:
+        if e is None:  # the first prompt token has none
+            return None
+        out = {t: Logprob(lp, r, self._text(t)) for r, (t, lp) in enumerate(e.top, start=1)}
+        if e.token_id not in out:  # the sampled token, outside the top k
+            out[e.token_id] = Logprob(e.logprob, None, self._text(e.token_id))
+        return out
+
+
+class _Converted:
+    """One request's outputs -> ``GenerationOutput``; log-probabilities are converted as
+    they arrive (a stream's cumulative list is not rebuilt at every update)."""
+
+    def __init__(self, lp: _Logprobs, prompt: str | None, prompt_ids: list[int], params: SamplingParams):
+        self.lp, self.prompt, self.prompt_ids = lp, prompt, list(prompt_ids)
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative = 0.0
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.wants = params.logprobs is not None or params.prompt_logprobs is not None
+
+    def absorb(self, out: RequestOutput) -> None:
+        """Take the log-probabilities of an output (every output of the request, in order)."""
+        if self.logprobs is not None:
+            for e in out.new_logprobs or []:
+                self.logprobs.append(self.lp.position(e))
+                self.cumulative += e.logprob
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [self.lp.position(e) for e in out.prompt_logprobs]
+
+    def __call__(self, out: RequestOutput) -> GenerationOutput:
+        if out.error is not None:
+            raise RuntimeError(f"request {out.request_id} failed in the engine: {out.error}")
+        self.absorb(out)
+        reason = out.finish_reason.value if out.finished and out.finish_reason is not None else None
+        error = str(out.failure) if out.failure is not None else None
+        if error is not None:
+            log.warning("request %s failed: %s", out.request_id, error)
+        completion = CompletionOutput(0, out.text, list(out.token_ids), reason,
+                                      new_text=out.new_text, new_token_ids=list(out.new_token_ids), error=error)
+        if self.logprobs is not None:
+            completion.logprobs = list(self.logprobs)
+            completion.cumulative_logprob = self.cumulative
+        spec = SpecDecodeStats(out.spec.num_drafts, out.spec.num_draft_tokens, out.spec.num_accepted_tokens)
+        return GenerationOutput(out.request_id, self.prompt, list(self.prompt_ids), [completion], out.finished, spec,
+                                self.prompt_logprobs)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -320,9 +395,11 @@ class LLM:
         if not encoded:
             return []
         eng = self.engine
+        lp = _Logprobs(self.tokenizer)
         with self._lock:
             base = f"llm-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             ids = [f"{base}-{i}" for i in range(len(encoded))]
+            convs = {rid: _Converted(lp, text, p_ids, sp) for rid, (text, p_ids), sp in zip(ids, encoded, params)}
             final: dict[str, RequestOutput] = {}
             added: list[str] = []
             bar = _progress(use_tqdm, len(ids))
@@ -341,6 +418,8 @@ class LLM:
                             if bar is not None:
                                 bar.set_postfix_str(f"output: {n_out / max(time.monotonic() - start, 1e-9):.1f} toks/s")
                                 bar.update(1)
+                        elif (conv := convs.get(out.request_id)) is not None and conv.wants:
+                            conv.absorb(out)
             except BaseException:
                 for rid in added:
                     if rid not in final:
@@ -349,7 +428,7 @@ class LLM:
             finally:
                 if bar is not None:
                     bar.close()
-        return [_to_output(final[rid], text, prompt_ids) for rid, (text, prompt_ids) in zip(ids, encoded)]
+        return [convs[rid](final[rid]) for rid in ids]
 
 
 def _progress(use_tqdm: Any, total: int):
@@ -407,6 +486,7 @@ class AsyncLLM:
         self.engine = AsyncEngine(core, max_queue if max_queue is not None else sys.maxsize)
         self.tokenizer = core.tokenizer
         self._prompts = _Prompts(self.tokenizer, core.max_model_len)
+        self._logprobs = _Logprobs(self.tokenizer)
         self.engine.start()
 
     @property
@@ -457,9 +537,15 @@ class AsyncLLM:
         self, text: str | None, ids: list[int], params: SamplingParams | None, request_id: str | None
     ) -> AsyncIterator[GenerationOutput]:
         params = self._prompts.params_for(params if params is not None else SamplingParams(), len(ids))
+        if params.structured_outputs is not None and params.compiled_grammar is None:
+            # compiled here, in a worker thread, so the engine thread goes on stepping the others
+            compiled = await asyncio.to_thread(self.engine.grammar_backend.compile, params.structured_outputs,
+                                               self.config.server.grammar_max_chars)
+            params = replace(params, compiled_grammar=compiled)
         rid = request_id or f"async-{uuid.uuid4().hex}"
+        convert = _Converted(self._logprobs, text, ids, params)
         async for out in self.engine.generate(rid, ids, params):
-            yield _to_output(out, text, ids)
+            yield convert(out)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -71,6 +71,12 @@ Automatic prefix caching (tokens, as vLLM counts them)::
     specserve_prefix_cache_hits_total          counter, of those, tokens whose K/V was found cached
     # hit rate: rate(specserve_prefix_cache_hits_total[5m]) / rate(specserve_prefix_cache_queries_total[5m])
 
+Suffix decoding's global response cache (all tenants together; 0 for other methods)::
+
+    specserve_suffix_cache_bytes               gauge, estimated memory of the cached responses' trees,
+                                               <= method.suffix_decoding_max_cached_bytes
+    specserve_suffix_cache_responses           gauge, responses cached (<= suffix_decoding_max_cached_requests)
+
 ``docs/metrics.md`` repeats this list for operators.
 """
 
@@ -196,6 +202,12 @@ class SpecServeMetrics:
         self.prefix_cache_hits = counter(
             "specserve_prefix_cache_hits", "Prompt tokens whose K/V was found in the prefix cache."
         ).labels(**values)
+        self.suffix_cache_bytes = gauge(
+            "specserve_suffix_cache_bytes", "Estimated memory of suffix decoding's global response cache (bytes)."
+        )
+        self.suffix_cache_responses = gauge(
+            "specserve_suffix_cache_responses", "Responses in suffix decoding's global response cache."
+        )
         self.iteration_tokens = histogram(
             "specserve_iteration_tokens_total", "Tokens (prompt + generated) per engine step.", ITERATION_TOKEN_BUCKETS
         )
@@ -213,6 +225,8 @@ class SpecServeMetrics:
             self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         if stats.prefix_cache_hits:
             self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.suffix_cache_bytes.set(stats.suffix_cache_bytes)
+        self.suffix_cache_responses.set(stats.suffix_cache_responses)
         if stats.num_prompt_tokens or stats.num_generation_tokens:
             self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         for req in stats.requests:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from specserve.errors import InvalidRequestError
 
@@ -100,6 +101,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # structured_outputs compiled (a specserve.structured.CompiledGrammar): the servers attach
+    # it after compiling off the engine thread; None: the engine compiles it when admitting.
+    compiled_grammar: Any = field(default=None, repr=False, compare=False)
+    # The cache partition: requests share prefix-cache blocks and suffix-decoding responses only
+    # with requests of the same value (None: with the others that have none).  Set by the
+    # server from the caller's API key and its `cache_salt` (an opaque digest, never the key).
+    cache_salt: str | None = None
 
     @property
     def has_logits_processors(self) -> bool:
@@ -217,6 +225,8 @@ class SamplingParams:
                 raise InvalidRequestError("prediction", "must be a list of non-negative integer token ids")
             if vocab_size is not None and any(t >= vocab_size for t in p):
                 raise InvalidRequestError("prediction", f"every token id must be < the vocabulary size ({vocab_size})")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequestError("cache_salt", "must be a non-empty string when given")
         return self
 
 

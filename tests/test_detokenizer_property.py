@@ -2,12 +2,13 @@
 
 Speculation delivers several tokens per step, so a multi-byte character can be split
 across step boundaries in any way.  For random token sequences (text of emoji, ZWJ
-sequences, flags, CJK, combining marks, byte-fallback tokens, special tokens and
-arbitrary ids) cut into random chunks, the concatenated deltas must equal one decode of
-all ids with the same special-token handling, streamed and not, with and without stop
-strings.  Two real tokenizer families: the embedded SmolLM2's byte-level BPE and a
-SentencePiece-style tokenizer with byte fallback (Llama 2's decoder), built here (for
-it, arbitrary ids exclude lone byte tokens: see the fixture).
+sequences, flags, CJK, combining marks, real U+FFFD characters, byte-fallback tokens,
+special tokens, arbitrary ids, and characters left unfinished: the first bytes of a
+multi-byte character as byte tokens) cut into random chunks, the concatenated deltas
+must equal one decode of all ids with the same special-token handling, streamed and
+not, with and without stop strings.  Two real tokenizer families: the embedded SmolLM2's
+byte-level BPE and a SentencePiece-style tokenizer with byte fallback (Llama 2's
+decoder), built here (for it, arbitrary ids exclude lone byte tokens: see the fixture).
 
 The seed differs per run (printed on failure; set DETOK_SEED to replay one).
 """
@@ -29,7 +30,9 @@ PIECES = [
     "😀", "👍🏽", "👨‍👩‍👧", "🇫🇷", "🏳️‍🌈", "中文", "漢字", "日本語", "한국어", "é", "e\u0301", "n\u0303",
     "a\u0308\u0304", "ß", "Ω", "∑", "€", "𝔘𝔫𝔦", " ", "  ", "\n", "\t", "hello", " world", ",", ".", "!", "'s",
     "123", "<", "{", "\\", "\"", "ü", "ø", "ł", "🤖🤖", "‼️", "\u200b", "ﬁ",
+    "\ufffd", "\ufffd\ufffd\ufffd", "a\ufffd",  # a real U+FFFD is text like any other
 ]
+MULTI_BYTE = ["é", "€", "中", "😀", "𝔘", "\ufffd"]  # characters of 2, 3 and 4 bytes
 
 
 def random_text(rng: random.Random) -> str:
@@ -45,10 +48,23 @@ def chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
     return out
 
 
+def unfinished_char(tok: "PlainTokenizer", rng: random.Random) -> list[int]:
+    """Byte tokens of the first bytes (not all) of a multi-byte character."""
+    data = rng.choice(MULTI_BYTE).encode()
+    return [tok.byte_ids[b] for b in data[: rng.randint(1, len(data) - 1)]]
+
+
 def random_ids(tok: "PlainTokenizer", rng: random.Random) -> list[int]:
     kind = rng.random()
-    if kind < 0.55:
+    if kind < 0.45:
         return tok.encode_plain(random_text(rng))
+    if kind < 0.55:  # text ending in an unfinished character (then flushed by the final append)
+        ids = tok.encode_plain(random_text(rng))
+        if tok.spliceable is None:  # byte-level: unfinished characters may sit anywhere
+            ids.insert(rng.randint(0, len(ids)), unfinished_char(tok, rng)[0])
+        else:  # byte fallback: after a word token, so the bytes are a run of their own (see the fixture)
+            ids.append(tok.word_id)
+        return ids + unfinished_char(tok, rng)
     if kind < 0.8:  # arbitrary ids: lone byte tokens, broken sequences, special tokens
         return [tok.random_id(rng) for _ in range(rng.randint(1, 16))]
     if tok.spliceable is None:  # text with arbitrary ids spliced in anywhere
@@ -70,9 +86,11 @@ class PlainTokenizer(Tokenizer):
     def encode_plain(self, text: str) -> list[int]:
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
-    def __init__(self, hf, eos, spliceable: list[int] | None = None):
+    def __init__(self, hf, eos, byte_ids: dict[int, int], spliceable: list[int] | None = None):
         super().__init__(hf, eos)
+        self.byte_ids = byte_ids  # byte value -> the token that is that one byte
         self.spliceable = spliceable  # None: any id
+        self.word_id = hf.convert_tokens_to_ids("▁hello") if spliceable is not None else None
 
     def random_id(self, rng: random.Random) -> int:
         return rng.choice(self.spliceable) if self.spliceable is not None else rng.randrange(len(self.hf))
@@ -85,7 +103,18 @@ def smollm2() -> PlainTokenizer:
     from specserve.executor.loader import resolve_hf_dir
 
     hf = AutoTokenizer.from_pretrained(str(resolve_hf_dir("embedded:smollm2-135m-instruct", None)))
-    return PlainTokenizer(hf, (hf.eos_token_id,))
+    ids = {b: hf.convert_tokens_to_ids(c) for b, c in gpt2_byte_chars().items()}
+    # (bytes that never occur in UTF-8 text, such as C0 or F5..FF, have no token here)
+    byte_ids = {b: i for b, i in ids.items() if hf.convert_ids_to_tokens(i) == gpt2_byte_chars()[b]}
+    assert all(b in byte_ids for c in MULTI_BYTE for b in c.encode())
+    return PlainTokenizer(hf, (hf.eos_token_id,), byte_ids)
+
+
+def gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode: the vocabulary character of each byte in byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +139,7 @@ def byte_fallback() -> PlainTokenizer:
     # special and word pieces; byte tokens come from encoding text (all split points of
     # valid multi-byte characters).
     spliceable = [i for i, p in enumerate(pieces + words) if not p.startswith("<0x")]
-    return PlainTokenizer(hf, (2,), spliceable)
+    return PlainTokenizer(hf, (2,), {b: 3 + b for b in range(256)}, spliceable)
 
 
 def first_completed_stop(text: str, stop: list[str]) -> int:

@@ -349,6 +349,49 @@ def test_greedy_output_equals_the_openai_server(drafted, plain):
         handle.stop()
 
 
+# --------------------------------------------------------------------------- log-probabilities
+
+
+def _check_vllm_logprobs(out, k: int, tokenizer) -> None:
+    c = out.outputs[0]
+    assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids) > 0
+    for t, pos in zip(c.token_ids, c.logprobs):
+        assert t in pos and set(range(1, k + 1)) <= {lp.rank for lp in pos.values()}
+        assert pos[t].rank == 1  # greedy: the sampled token is the most likely
+        assert all(lp.decoded_token == tokenizer.decode([i], skip_special_tokens=False) for i, lp in pos.items())
+    assert c.cumulative_logprob == pytest.approx(sum(pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs)))
+
+
+def test_offline_logprobs_have_vllms_shape_and_the_engines_values(ngram):
+    params = greedy(logprobs=3, prompt_logprobs=2)
+    outs = ngram.generate(PROMPTS, params, use_tqdm=False)
+    engine_outs = ngram.engine.generate([o.prompt_token_ids for o in outs], [params] * len(outs))
+    for out, ref in zip(outs, engine_outs):
+        _check_vllm_logprobs(out, 3, ngram.tokenizer)
+        assert [pos[t].logprob for t, pos in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)] == pytest.approx(
+            [e.logprob for e in ref.logprobs], abs=1e-5)
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        assert out.prompt_logprobs[0] is None and all(len(p) >= 2 for p in out.prompt_logprobs[1:])
+    plain_out = ngram.generate(PROMPTS[0], greedy(), use_tqdm=False)[0]
+    assert plain_out.outputs[0].logprobs is None and plain_out.outputs[0].cumulative_logprob is None
+    assert plain_out.prompt_logprobs is None
+
+
+def test_async_llm_streams_logprobs(tiny_llama, plain):
+    ref = plain.generate(PROMPTS[0], greedy(logprobs=2), use_tqdm=False)[0].outputs[0]
+
+    async def main():
+        async with AsyncLLM(model=str(tiny_llama), **SMALL) as llm:
+            return [out async for out in llm.generate(PROMPTS[0], greedy(logprobs=2))]
+
+    streamed = asyncio.run(main())
+    assert [len(o.outputs[0].logprobs or []) for o in streamed] == [len(o.outputs[0].token_ids) for o in streamed]
+    last = streamed[-1]
+    _check_vllm_logprobs(last, 2, plain.tokenizer)
+    assert last.outputs[0].token_ids == ref.token_ids
+    assert last.outputs[0].cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4)
+
+
 # --------------------------------------------------------------------------- async
 
 

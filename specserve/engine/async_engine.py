@@ -101,6 +101,12 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def grammar_backend(self):
+        """The engine's grammar compiler and cache (``specserve.structured``): callers compile
+        in their own threads and pass the result on ``SamplingParams.compiled_grammar``."""
+        return self.engine.grammar_backend
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
@@ -144,6 +150,9 @@ class AsyncEngine:
                 yield out
                 if out.finished:
                     return
+                # Queue.get() does not suspend while outputs are queued: a consumer with a
+                # backlog would otherwise keep every other task (/health, streams) waiting.
+                await asyncio.sleep(0)
         finally:
             with self._cv:
                 if not finished:

@@ -4,7 +4,10 @@ The step loop calls three things here:
 
 * :func:`plan_step` before sampling: per verified request, the processors of its
   rows (``specserve.sampling.logits_processors``) and its grammar masks; drafts a
-  grammar refuses are cut at the first refused one (they could not be accepted);
+  grammar refuses are cut at the first refused one (they could not be accepted).  A
+  position where the grammar allows nothing gets an EOS-only row (finite logits) and
+  is remembered: the request fails when it commits that position
+  (``GrammarState.advance``), it never ends as a plain "stop";
 * :func:`logprob_lists` after the step's one copy back: per request, the
   log-probabilities of the tokens it emitted (and top-k alternatives);
 * :func:`prompt_logprob_lists` for prefill chunks of requests that asked for

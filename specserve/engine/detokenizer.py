@@ -2,15 +2,23 @@
 
 The text of a stream must equal one decode of all its token ids however the
 ids arrive: one at a time, or several per step as speculation delivers them,
-with multi-byte characters split across step boundaries.
+with multi-byte characters split across step boundaries.  And each step must
+cost O(new tokens), whatever the text: the served path detokenises on the
+server's event loop.
 
 Method: a window of ids starting a few tokens back (``prefix``) keeps leading
 spaces right; ``read`` marks where the already-emitted text ends.  New text is
-decode(ids[prefix:j]) minus decode(ids[prefix:read]) for the LONGEST j whose
-decode does not end in an incomplete character (U+FFFD), so the complete part
-of a multi-token delivery is emitted at once and only an unfinished character
+decode(ids[prefix:j]) minus decode(ids[prefix:read]), where j is the end of the
+pending ids less an unfinished character at their end, so only that character
 waits for the next step.  ``final`` emits whatever remains, unfinished or not,
 exactly as a one-shot decode would show it.
+
+"Unfinished" is decided from the tokens' BYTES (``TokenBytes``): the pending
+bytes end in an incomplete UTF-8 sequence, which is at most 3 bytes.  A genuine
+U+FFFD character (the complete bytes EF BF BD) is emitted at once.  For a
+tokenizer whose token bytes are unknown, the decoded text decides instead: it
+ends in U+FFFD; since a character is at most 4 bytes, at most 3 trailing tokens
+are then held back, so a run of genuine U+FFFD costs no more than other text.
 
 With stop strings, the last len(longest stop) - 1 characters are held back
 until the request finishes, so a client never sees part of a stop string; the
@@ -20,18 +28,27 @@ wins, and the text is cut before it.
 
 from __future__ import annotations
 
+import codecs
+import json
+import re
+import weakref
 from typing import Any
 
 CONTEXT_TOKENS = 5
 REPLACEMENT = "\ufffd"
+MAX_INCOMPLETE_BYTES = 3  # the longest unfinished UTF-8 sequence (a 4-byte character less one)
+MAX_HELD_TOKENS = 8  # bound on tokens held back for one unfinished character (see complete_end)
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback tokens
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str]):
         self.tok = tokenizer
+        self.bytes = token_bytes(tokenizer)  # None: judge unfinished text from the decoded text
         self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix = 0
         self.read = len(self.ids)
+        self.seen: str | None = None  # decode(ids[prefix:read]), once known
         self.text = ""  # all decoded text (cut at a stop string)
         self.emitted = 0  # characters of self.text already returned
         self.stop = stop
@@ -42,7 +59,7 @@ class IncrementalDetokenizer:
 
         On a stop match the text is cut before the stop string and everything
         before it is flushed; ``final`` flushes undecoded ids and the held-back tail."""
-        self.ids.extend(new_ids)
+        self.ids.extend(self.bytes.keep(new_ids) if self.bytes is not None else new_ids)
         stopped = False
         if len(self.ids) > self.read:
             start = max(0, len(self.text) - self.hold)
@@ -54,25 +71,50 @@ class IncrementalDetokenizer:
         return delta, stopped
 
     def _decode_new(self, final: bool) -> str:
-        """Text of the pending ids that can be shown now; advances the window."""
-        seen = self.tok.decode(self.ids[self.prefix : self.read])
-        for j in range(len(self.ids), self.read, -1):  # longest complete prefix of the pending ids
+        """Text of the pending ids that can be shown now; advances the window.
+        Decodes a bounded number of windows, each of the last step's ids plus the pending ones."""
+        full = None
+        if final:
+            end = len(self.ids)
+        elif self.bytes is not None:
+            end = self.bytes.complete_end(self.ids, self.read)
+        else:
+            end, full = self._complete_end_by_text()
+        if end <= self.read:
+            return ""
+        if self.seen is None:
+            self.seen = self.tok.decode(self.ids[self.prefix : self.read])
+        seen = self.seen
+        if full is None:
+            full = self.tok.decode(self.ids[self.prefix : end])
+        self._advance(end)
+        return full[len(seen) :]
+
+    def _complete_end_by_text(self) -> tuple[int, str | None]:
+        """Without token bytes: the longest pending run whose decode does not end in
+        U+FFFD, looking at most MAX_INCOMPLETE_BYTES tokens back (each token is at least
+        one byte, so an unfinished character cannot start earlier: a U+FFFD there is a
+        real one, or bytes no later token can complete).  Returns (end, its decode)."""
+        n = len(self.ids)
+        floor = max(self.read, n - MAX_INCOMPLETE_BYTES)
+        for j in range(n, floor, -1):
             full = self.tok.decode(self.ids[self.prefix : j])
-            if final or not full.endswith(REPLACEMENT):
-                self._advance(j)
-                return full[len(seen) :]
-            final = False  # only the whole pending run may be flushed unfinished
-        return ""
+            if not full.endswith(REPLACEMENT):
+                return j, full
+        return floor, None
 
     def _advance(self, read: int) -> None:
         """Move the window: it now starts where the emitted text ended, stepping further
-        back while its text is empty (only special tokens, say), because a decoder that
-        strips the first leading space (SentencePiece) would otherwise strip the next
-        token's real space."""
+        back (a few tokens at most) while its text is empty (special tokens, say), because
+        a decoder that strips the first leading space (SentencePiece) would otherwise strip
+        the next token's real space."""
         prefix = self.read
-        while prefix > 0 and not self.tok.decode(self.ids[prefix:read]):
+        seen = self.tok.decode(self.ids[prefix:read])
+        lowest = max(0, prefix - CONTEXT_TOKENS)
+        while not seen and prefix > lowest:
             prefix -= 1
-        self.prefix, self.read = prefix, read
+            seen = self.tok.decode(self.ids[prefix:read])
+        self.prefix, self.read, self.seen = prefix, read, seen
 
     def _cut_at_stop(self, start: int) -> bool:
         """Cut ``text`` before the stop string that is COMPLETED first (smallest end; at a
@@ -93,3 +135,141 @@ def find_stop(text: str, stop: list[str], start: int = 0) -> int | None:
         if j != -1 and (best is None or (j + len(s), j) < best):
             best = (j + len(s), j)
     return None if best is None else best[1]
+
+
+# --------------------------------------------------------------------------- token bytes
+
+
+def incomplete_tail(data: bytes) -> int:
+    """How many trailing bytes of ``data`` are an unfinished UTF-8 character: a valid
+    start that later bytes could complete (0 if none).  Only the last 3 bytes can be."""
+    tail = data[-MAX_INCOMPLETE_BYTES:]
+    return len(tail) - codecs.utf_8_decode(tail, "replace", False)[1]
+
+
+def _gpt2_char_bytes() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the vocabulary character spelling each byte in
+    byte-level BPE (printable bytes spell themselves; the rest map to U+0100 onwards)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return table
+
+
+_CHAR_BYTES = _gpt2_char_bytes()
+
+
+class TokenBytes:
+    """The bytes each token adds to a decode (``skip_special_tokens=True``), built per
+    token on first sight and cached: a byte-level vocabulary spells each byte as one
+    character (a token with a character outside that table is its own UTF-8, as HF's
+    ByteLevel decoder does); a byte-fallback vocabulary spells lone bytes ``<0xE2>``;
+    otherwise a token is text.  Special tokens add nothing: the decode skips them."""
+
+    def __init__(self, hf: Any, byte_level: bool, byte_fallback: bool, special: frozenset[int]):
+        self.hf = hf
+        self.byte_level = byte_level
+        self.byte_fallback = byte_fallback
+        self.special = special
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        b = self._cache.get(token_id)
+        if b is None:
+            b = self._cache[token_id] = self._bytes_of(token_id)
+        return b
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        if token_id in self.special:
+            return b""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):  # an id outside the vocabulary: the decode drops it
+            return b""
+        if self.byte_level and all(c in _CHAR_BYTES for c in piece):
+            return bytes(_CHAR_BYTES[c] for c in piece)
+        if self.byte_fallback and _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        return piece.encode()
+
+    def keep(self, ids: list[int]) -> list[int]:
+        """``ids`` less special tokens: the decode skips them before its decoder runs, so
+        dropping them changes no text, and a run of them cannot grow the window."""
+        return [i for i in ids if i not in self.special] if self.special else ids
+
+    def complete_end(self, ids: list[int], read: int) -> int:
+        """The largest end j (read <= j <= len(ids)) such that the bytes of ids[read:j]
+        do not end inside a character; ``read`` is at a character boundary.
+
+        The cut falls at the token holding the first unfinished byte.  When that token
+        also ends an earlier character (a token straddling two characters), the bytes
+        before it may be unfinished too, so look again.  A run of straddling tokens is
+        held for at most MAX_HELD_TOKENS tokens, then cut anyway (its text may then
+        differ from a one-shot decode) so that the cost stays bounded."""
+        j = len(ids)
+        for _ in range(MAX_HELD_TOKENS):
+            k, tail = j, b""
+            while k > read and len(tail) < MAX_INCOMPLETE_BYTES:
+                k -= 1
+                tail = self(ids[k]) + tail
+            missing = incomplete_tail(tail)
+            if missing == 0:
+                return j
+            while missing > 0 and j > read:
+                j -= 1
+                missing -= len(self(ids[j]))
+            if j <= read:
+                return read
+            if missing == 0:  # the cut is exactly where the unfinished character starts
+                return j
+        return j
+
+
+_TABLES: "weakref.WeakKeyDictionary[Any, TokenBytes | None]" = weakref.WeakKeyDictionary()
+
+
+def token_bytes(tokenizer: Any) -> TokenBytes | None:
+    """The byte table of ``tokenizer`` (shared by all its streams), or None when its
+    token bytes cannot be known (no HF fast tokenizer underneath)."""
+    try:
+        return _TABLES[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referable: a table of its own
+        return _build_table(tokenizer)
+    table = _TABLES[tokenizer] = _build_table(tokenizer)
+    return table
+
+
+def _build_table(tokenizer: Any) -> TokenBytes | None:
+    hf = getattr(tokenizer, "hf", tokenizer)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or not hasattr(hf, "convert_ids_to_tokens"):
+        return None
+    try:
+        kinds = _decoder_types(backend.decoder)
+        added = getattr(hf, "added_tokens_decoder", {}) or {}
+    except (AttributeError, TypeError, ValueError):  # an unusual tokenizer: decide from the text
+        return None
+    special = frozenset(i for i, t in added.items() if getattr(t, "special", False))
+    return TokenBytes(hf, "ByteLevel" in kinds, "ByteFallback" in kinds, special)
+
+
+def _decoder_types(decoder: Any) -> set[str]:
+    """Every decoder type in the HF decoder (a Sequence nests others)."""
+    if decoder is None:
+        return set()
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("type"), str):
+                found.add(node["type"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(json.loads(decoder.__getstate__()))
+    return found

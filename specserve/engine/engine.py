@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,7 +206,8 @@ class LLMEngine:
         if static is not None and graphs:
             static.capture()
             self.spec_control.seed_costs(static.time_graphs())
-        self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.k, self.max_model_len)
+        self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.k, self.max_model_len,
+                                   e.long_prefill_token_threshold)
         self.seed_generator = torch.Generator().manual_seed(e.seed)  # seeds of unseeded requests (host)
         self.sampler = DeviceSampler(
             e.max_num_seqs, self.k, target.device, spec.rejection_sample_method if spec is not None else "strict",
@@ -215,6 +217,7 @@ class LLMEngine:
         self.listeners: list[StatsListener] = []
         self.detokenize = True  # AsyncEngine turns this off and detokenizes per stream
         self._grammar_backend = None  # specserve.structured.GrammarBackend, on first use
+        self._grammar_lock = threading.Lock()  # the servers' compile threads ask for it too
         self.info = ModelInfo(
             model_name=cfg.model.name,
             method=spec.method if spec is not None else "none",
@@ -268,10 +271,7 @@ class LLMEngine:
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                            seed=self._request_seed(params))
             proc = OutputProcessor(self.tokenizer, seq.prompt_token_ids, params) if self.detokenize else None
-            grammar = None
-            if params.structured_outputs is not None:
-                backend = self.grammar_backend
-                grammar = backend.new_state(backend.compile(params.structured_outputs))
+            grammar = self._grammar_state(params) if params.structured_outputs is not None else None
             self.requests[request_id] = st = _ReqState(seq, proc, grammar=grammar)
             if params.prompt_logprobs is not None:
                 st.prompt_lps = [None]
@@ -400,13 +400,27 @@ class LLMEngine:
 
     @property
     def grammar_backend(self):
-        """llguidance over the target's tokenizer (built on first use: about a second)."""
-        if self._grammar_backend is None:
-            from specserve.structured import GrammarBackend
+        """llguidance over the target's tokenizer, and the compiled-grammar cache (the
+        tokenizer's conversion, about a second, happens at the first compile)."""
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                from specserve.structured import GrammarBackend
 
-            self._grammar_backend = GrammarBackend(self.tokenizer.hf, self.target.arch.vocab_size,
-                                                   tuple(self.tokenizer.eos_token_ids))  # fmt: skip
-        return self._grammar_backend
+                self._grammar_backend = GrammarBackend(self.tokenizer.hf, self.target.arch.vocab_size,
+                                                       tuple(self.tokenizer.eos_token_ids),
+                                                       self.cfg.server.grammar_cache_entries)  # fmt: skip
+            return self._grammar_backend
+
+    def _grammar_state(self, params: SamplingParams):
+        """The request's own matcher: a copy of the grammar the server compiled off this
+        thread (``params.compiled_grammar``), else compiled here through the cache (offline)."""
+        from specserve.structured import grammar_field
+
+        so = params.structured_outputs
+        compiled = params.compiled_grammar
+        if compiled is None:
+            compiled = self.grammar_backend.compile(so, self.cfg.server.grammar_max_chars)
+        return compiled.new_state(grammar_field(so))
 
     def _propose_next(self, scheduled: list[ScheduledSeq], batch: StepBatch, fwd, results) -> None:
         """Drafts for the next step, proposed now that this step is verified; a
@@ -557,7 +571,7 @@ class LLMEngine:
                 self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens + a)
                 stage = "matching its stop tokens"
                 new_ids, reason = self._append_tokens(seq, toks)
-                if st.grammar is not None:
+                if st.grammar is not None:  # a grammar that cannot take these tokens fails the request
                     stage = "advancing its grammar"
                     st.grammar.advance(new_ids)
                 if n_pred:  # OpenAI's counts: prediction tokens that made it into the output, and the rest
@@ -598,7 +612,7 @@ class LLMEngine:
             num_running=self.num_running, num_waiting=self.num_waiting, kv_cache_usage=self.blocks.usage,
             num_prompt_tokens=n_prompt, num_generation_tokens=n_gen, requests=req_stats,
             num_speculative_tokens=self.spec_control.chosen if self.k else 0,
-            **self._prefix_cache_deltas(),
+            **self._prefix_cache_deltas(), **self._suffix_cache_usage(),
         ))
         return outputs
 
@@ -658,6 +672,14 @@ class LLMEngine:
         dq, dh = q - self._prefix_reported[0], h - self._prefix_reported[1]
         self._prefix_reported = (q, h)
         return {"prefix_cache_queries": dq, "prefix_cache_hits": dh}
+
+    def _suffix_cache_usage(self) -> dict[str, int]:
+        """The size of suffix decoding's global response cache (proposers with ``cache_usage``)."""
+        usage = getattr(self.proposer, "cache_usage", None)
+        if usage is None:
+            return {}
+        nbytes, responses = usage()
+        return {"suffix_cache_bytes": nbytes, "suffix_cache_responses": responses}
 
     def _emit_step(self, stats: StepStats) -> None:
         for listener in self.listeners:

@@ -7,6 +7,12 @@ budget, the sequence cap and the KV blocks allow.  Long prompts are prefilled
 in chunks.  When blocks run out for a running sequence, the most recently
 admitted one is preempted: its blocks are freed and it is recomputed later
 from its tokens (nothing is lost).
+
+Fairness under chunked prefill: the decoding sequences' tokens are set aside
+before any prefill chunk takes the budget (a long prompt never starves
+decodes), and while other requests wait to be admitted a prefill chunk is
+capped at ``long_prefill_token_threshold`` tokens, so they start in the same
+step instead of queueing behind the whole prompt.
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def default_long_prefill_token_threshold(max_num_batched_tokens: int) -> int:
+    """engine.long_prefill_token_threshold when unset: a quarter of the step's token budget."""
+    return max(1, max_num_batched_tokens // 4)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -44,12 +55,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         num_lookahead: int,
         max_model_len: int,
+        long_prefill_token_threshold: int | None = None,
     ):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_lookahead = num_lookahead  # K: draft slots reserved per decode step
         self.max_model_len = max_model_len
+        # The cap on one sequence's prefill chunk while others wait (0: none); null = a
+        # quarter of the step budget, so a few arrivals fit next to a long prompt.
+        if long_prefill_token_threshold is None:
+            long_prefill_token_threshold = default_long_prefill_token_threshold(max_num_batched_tokens)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Prefix caching (blocks.enable_caching): full prompt blocks that an admitted sequence
@@ -88,11 +105,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefix cache
     def _hashes(self, seq: Sequence, n: int) -> list[tuple[int, tuple]]:
-        """The hash chain of the sequence's first n full blocks (extended as it grows)."""
+        """The hash chain of the sequence's first n full blocks (extended as it grows), seeded
+        with its cache partition: another tenant's equal prompt never matches it."""
         have = len(seq.block_hashes)
         if n > have:
             parent = seq.block_hashes[-1][0] if have else None
-            seq.block_hashes.extend(chain_hashes(seq.token_ids, self.blocks.block_size, n, parent, have))
+            seq.block_hashes.extend(
+                chain_hashes(seq.token_ids, self.blocks.block_size, n, parent, have, seq.params.cache_salt)
+            )
         return seq.block_hashes[:n]
 
     def register_computed(self, seq: Sequence) -> None:
@@ -155,21 +175,43 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def _decode_tokens(self, seq: Sequence) -> int:
+        """Tokens a running sequence runs this step if it is decoding (its pending token
+        plus its drafts); 0 while it is still prefilling."""
+        return 1 + self._draft_room(seq) if seq.num_uncomputed == 1 else 0
+
+    def _prefill_cap(self, others_waiting: bool, num_running: int) -> int:
+        """The most prompt tokens one sequence prefills this step: all of the budget, unless
+        other sequences wait for admission and could be admitted (a free sequence slot)."""
+        if others_waiting and num_running < self.max_num_seqs and self.long_prefill_token_threshold > 0:
+            return self.long_prefill_token_threshold
+        return self.max_num_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         for seq in self.running:  # K/V computed by the last step joins the prefix cache
             self.register_computed(seq)
+        # Decodes are set aside first: a prefill chunk only takes what they leave.
+        reserve = sum(self._decode_tokens(s) for s in self.running)
+        cap = self._prefill_cap(bool(self.waiting), len(self.running))
         # 1. Running sequences, oldest first; preempt from the newest end.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            decode = self._decode_tokens(seq)
+            reserve -= decode
+            n = min(seq.num_uncomputed, budget if decode else min(budget - reserve, cap))
+            if n <= 0:  # a prefill chunk with no budget left after the decodes: next step
+                i += 1
+                continue
             sample = n == seq.num_uncomputed
             room = self._draft_room(seq) if (sample and seq.num_uncomputed == 1) else 0
             need = seq.num_computed + n + room
             while not self.blocks.ensure(seq.block_table, need):
                 victim = self.running[-1]
+                if victim is not seq:
+                    reserve -= self._decode_tokens(victim)  # it no longer runs this step
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -187,7 +229,8 @@ class Scheduler:
             if not self._lookup(seq):
                 w += 1
                 continue
-            n = min(seq.num_uncomputed, budget)
+            cap = self._prefill_cap(len(self.waiting) > 1, len(self.running) + 1)
+            n = min(seq.num_uncomputed, budget, cap)
             sample = n == seq.num_uncomputed
             room = self._draft_room(seq) if (sample and seq.num_uncomputed == 1) else 0
             if not self.blocks.ensure(seq.block_table, seq.num_computed + n + room):

@@ -79,3 +79,8 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def cache_salt(self) -> str | None:
+        """The request's cache partition (SamplingParams.cache_salt): what it may share with others."""
+        return self.params.cache_salt

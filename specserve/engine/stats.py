@@ -42,6 +42,10 @@ class StepStats:
     # by the requests admitted this step, and those found cached (not computed again).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Suffix decoding's global response cache (all tenants) after this step: its estimated
+    # memory in bytes and the responses it holds (0 for other methods).
+    suffix_cache_bytes: int = 0
+    suffix_cache_responses: int = 0
 
 
 @dataclass

@@ -9,8 +9,10 @@ steps from static buffers, so the whole loop is one graph per batch bucket
 (``executor.static_runner``):
 
 * the host stages, per drafting sequence, its last real position, how many
-  drafts it wants and its block table into ONE int32 buffer, moved to the
-  device by ONE copy; the hidden states are copied device to device;
+  drafts it wants and its block table into a pinned int32 buffer, moved to the
+  device by ONE non-blocking copy (``StagingBuffer``: two host buffers in turn,
+  each rewritten only after its previous copy's event); the hidden states are
+  copied device to device;
 * on the device, step s (1-based) of row b runs at position base_b + s: its
   cache slot is looked up in the staged block table, or is the cache's trash
   slot where the row wants fewer than s + 1 drafts (the sequence has no block
@@ -35,14 +37,16 @@ import torch
 from torch import Tensor
 
 from specserve.executor.attention import AttentionMetadata, PagedKernelArgs
-from specserve.executor.static_runner import StagingBuffer, batch_buckets
+from specserve.executor.staging import StagingBuffer, Transfer
+from specserve.executor.static_runner import batch_buckets
 
 log = logging.getLogger(__name__)
 
 
 class HeadDraftGraphs:
     def __init__(self, head, kv: tuple[Tensor, Tensor], *, block_size: int, trash_slot: int, k: int,
-                 max_num_seqs: int, max_seq_len: int, impl: str = "auto", use_graphs: bool | None = None):
+                 max_num_seqs: int, max_seq_len: int, impl: str = "auto", use_graphs: bool | None = None,
+                 transfer: Transfer | None = None):
         self.head = head
         self.kv = kv
         self.block_size = block_size
@@ -59,11 +63,12 @@ class HeadDraftGraphs:
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("use_graphs: CUDA graphs need a CUDA device")
         B = max_num_seqs
-        self.staging = StagingBuffer([("base", B), ("want", B), ("tables", B * self.max_blocks)], self.device)
+        # ``transfer``: on the CPU, a separate device buffer filled by that copier (tests)
+        self.staging = StagingBuffer([("base", B), ("want", B), ("tables", (B, self.max_blocks))], self.device,
+                                     transfer)
         self.base = self.staging.d["base"]  # last real position of each row (its head row is the hidden state below)
         self.want = self.staging.d["want"]  # drafts each row wants (0: padding)
-        self.tables = self.staging.d["tables"].view(B, self.max_blocks)
-        self.h_tables = self.staging.h["tables"].reshape(B, self.max_blocks)
+        self.tables = self.staging.d["tables"]
         self.hidden = torch.zeros(B, head.c.hidden_size, dtype=p.dtype, device=self.device)
         self.query_start = torch.arange(B + 1, dtype=torch.int32, device=self.device)
         self.drafts = torch.zeros(B, k, dtype=torch.int64, device=self.device)
@@ -106,7 +111,8 @@ class HeadDraftGraphs:
     def _stage(self, rows: list[tuple[int, int, list[int]]], bucket: int) -> None:
         """rows: (last real position, drafts wanted, block table) per drafting sequence;
         the bucket's padding rows want nothing."""
-        h, tables = self.staging.h, self.h_tables
+        h = self.staging.acquire()  # a host buffer no copy in flight still reads
+        tables = h["tables"]
         for i, (base, want, table) in enumerate(rows):
             h["base"][i], h["want"][i] = base, want
             tables[i, : len(table)] = table

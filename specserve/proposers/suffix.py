@@ -4,8 +4,13 @@ Two kinds of index, both :class:`SuffixIndex`:
 
 * one per request over its prompt + output, extended token by token as the
   request grows (never rebuilt);
-* one global index over the responses of finished requests, the newest
-  ``suffix_decoding_max_cached_requests`` of them (FIFO eviction; 0 turns it off).
+* global indexes over the responses of finished requests, one per tenant (the
+  request's ``SamplingParams.cache_salt``: its API key and ``cache_salt``), so a
+  draft -- and thereby a response's acceptance counts -- never comes from
+  another tenant's responses.  All tenants together keep the newest responses
+  within ``suffix_decoding_max_cached_bytes`` (estimated memory) and
+  ``suffix_decoding_max_cached_requests`` (count); the oldest are evicted
+  first, whichever tenant they belong to (either cap 0 turns them off).
 
 Each step the pattern is the end of the request's context.  For every match
 length m (1 .. max_tree_depth - 1) whose last-m tokens occur in an index, a
@@ -31,14 +36,23 @@ node is made only once a substring has been seen twice; a substring seen once
 is a *tail*, a ``(tokens, pos)`` reference into the one sequence that holds it,
 whose continuation is read from that sequence.  Appending a token touches the
 <= max_tree_depth suffixes still growing (O(depth) dictionary operations);
-removing a sequence walks its suffixes once.  In CPython the global index
-costs about 0.3 KB per cached response token (measured on ShareGPT-like text):
-10000 responses of 200 tokens are about 0.6 GB; lower
-suffix_decoding_max_cached_requests where that matters.
+removing a sequence walks its suffixes once.
+
+Memory: each index keeps ``num_bytes``, its CPython footprint, up to date as it
+changes: ``sys.getsizeof`` of every children dict (its growth measured at each
+insertion), plus per node, tail tuple, token list and non-cached int object
+their sizes rounded to CPython's 16-byte allocation granule (node counts above
+256 are not counted).  Against tracemalloc the estimate is within a few percent.
+Measured (SmolLM2 tokens, depth 24): about 0.55-0.85 KiB per cached token on
+ShareGPT answers (the first responses cost most), 0.1 KiB on near-copies of one
+answer, 3 KiB when every answer recurs exactly once (an explicit node per
+substring) -- hence a cap in bytes.  Per-request indexes live only while their
+request runs and are not counted against the cap.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -59,6 +73,34 @@ class _Node:
         self.children: dict[int, Union[_Node, tuple[list[int], int]]] = {}
 
 
+def _granule(nbytes: int) -> int:
+    """What CPython's small-object allocator hands out for an object of nbytes (16-byte granules)."""
+    return (nbytes + 15) & ~15
+
+
+_sizeof = sys.getsizeof
+_NODE_BYTES = _granule(_sizeof(_Node(0)))  # the node object; its children dict is measured apart
+_TAIL_BYTES = _granule(_sizeof(([], 0)))  # a (tokens, pos) tuple
+_INT_BYTES = _granule(_sizeof(1 << 20))
+
+
+def _int_bytes(value: int) -> int:
+    """An int object's size, 0 for the ones CPython shares (-5 .. 256)."""
+    return 0 if -5 <= value <= 256 else _INT_BYTES
+
+
+def _tail_bytes(pos: int) -> int:
+    return _TAIL_BYTES + _int_bytes(pos)
+
+
+def _subtree_bytes(node: _Node) -> int:
+    """Bytes of an explicit node and everything below it."""
+    total = _NODE_BYTES + _sizeof(node.children)
+    for child in node.children.values():
+        total += _tail_bytes(child[1]) if type(child) is tuple else _subtree_bytes(child)
+    return total
+
+
 @dataclass
 class SuffixDraft:
     token_ids: list[int] = field(default_factory=list)
@@ -73,6 +115,7 @@ class SuffixIndex:
 
     One sequence at a time is *open* (being appended to); appending to another
     sequence closes it for good.  ``remove`` drops a sequence's occurrences.
+    ``num_bytes`` is the index's estimated memory (module docstring).
     """
 
     def __init__(self, max_depth: int):
@@ -86,6 +129,7 @@ class SuffixIndex:
         # sequence's suffixes shorter than max_depth, oldest (longest) first:
         # _active[-m] is the locus of the last m tokens.
         self._active: list[_Node | None] = []
+        self.num_bytes = _NODE_BYTES + _sizeof(self.root.children) + _sizeof(self._seqs)
 
     # ------------------------------------------------------------ updates
     def __contains__(self, seq_id: object) -> bool:
@@ -103,15 +147,20 @@ class SuffixIndex:
             if seq_id in self._seqs:
                 raise ValueError(f"sequence {seq_id!r} was closed; it cannot be extended")
             self._open = seq_id
+            before = _sizeof(self._seqs)
             self._seqs[seq_id] = []
+            self.num_bytes += _sizeof(self._seqs) - before + _granule(_sizeof(self._seqs[seq_id]))
             self._active = []
         seq = self._seqs[seq_id]
         active = self._active
         depth = self.max_depth
         root = self.root
+        # Bytes added: each dict insertion measures the dict's growth; the token list at the end.
+        added = -_granule(_sizeof(seq))
         for t in tokens:
             n = len(seq)
             seq.append(t)
+            added += _int_bytes(t)
             root.count += 1
             active.append(root)
             # Every growing suffix seq[j:n] becomes seq[j:n+1]; active[i] has depth len(active) - i after it.
@@ -119,24 +168,31 @@ class SuffixIndex:
                 node = active[i]
                 if node is None:
                     continue  # a tail of this very sequence: it grows with `seq` by itself
-                child = node.children.get(t)
+                children = node.children
+                child = children.get(t)
                 if child is None:
-                    node.children[t] = (seq, n)  # first occurrence: a tail
+                    before = _sizeof(children)
+                    children[t] = (seq, n)  # first occurrence: a tail
+                    added += _sizeof(children) - before + _tail_bytes(n)
                     active[i] = None
                 elif type(child) is tuple:
                     # Seen once before: make it explicit; the earlier occurrence
                     # continues as a tail one token further on (if it goes on).
                     other, p = child
                     fresh = _Node(2)
+                    added += _NODE_BYTES - _tail_bytes(p)
                     if len(active) - i < depth and p + 1 < len(other):
                         fresh.children[other[p + 1]] = (other, p + 1)
-                    node.children[t] = fresh
+                        added += _tail_bytes(p + 1)
+                    added += _sizeof(fresh.children)
+                    children[t] = fresh
                     active[i] = fresh
                 else:
                     child.count += 1
                     active[i] = child
             if len(active) == depth:  # the oldest suffix reached max_depth: it stops growing
                 active.pop(0)
+        self.num_bytes += added + _granule(_sizeof(seq))
 
     def close(self) -> None:
         self._open = None
@@ -148,20 +204,25 @@ class SuffixIndex:
         if seq_id == self._open:
             self.close()
         depth = self.max_depth
+        freed = _granule(_sizeof(seq))  # a dict does not shrink when entries go: only objects count
         for j in range(len(seq)):
             self.root.count -= 1
+            freed += _int_bytes(seq[j])
             node = self.root
             for d in range(j, min(j + depth, len(seq))):
                 t = seq[d]
                 child = node.children[t]
                 if type(child) is tuple:  # the tail of this very occurrence
                     del node.children[t]
+                    freed += _tail_bytes(child[1])
                     break
                 child.count -= 1
                 if child.count == 0:
                     del node.children[t]  # only this occurrence went through it
+                    freed += _subtree_bytes(child)
                     break
                 node = child
+        self.num_bytes -= freed
 
     # ------------------------------------------------------------ queries
     def count(self, path: list[int]) -> int:
@@ -268,18 +329,29 @@ def _grow(
 
 
 class SuffixCache:
-    """The per-request indexes and the global index of past responses.
+    """The per-request indexes and, per tenant, a global index of past responses.
 
     Independent of the engine: ``extend`` a request's tokens as they appear,
-    ``speculate`` for it, ``stop`` it (optionally caching its response)."""
+    ``speculate`` for it, ``stop`` it (optionally caching its response).  A
+    tenant is an opaque partition key (``SamplingParams.cache_salt``; None is
+    the requests that carry none): a request drafts only from its own tenant's
+    responses."""
 
-    def __init__(self, max_depth: int = 24, max_cached_requests: int = 10000):
+    def __init__(self, max_depth: int = 24, max_cached_requests: int = 10000, max_cached_bytes: int = 1 << 30):
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
+        self.max_cached_bytes = max_cached_bytes
         self.requests: dict[str, SuffixIndex] = {}
-        self.global_index = SuffixIndex(max_depth)
-        self._responses: deque[int] = deque()  # ids of the cached responses, oldest first
+        self.global_indexes: dict[str | None, SuffixIndex] = {}
+        # (tenant, response id) of the cached responses, oldest first, over all tenants.
+        self._responses: deque[tuple[str | None, int]] = deque()
         self._next_response = 0
+        self.num_bytes = 0  # estimated memory of the global indexes together
+
+    @property
+    def global_index(self) -> SuffixIndex:
+        """The global index of the requests without a tenant (an empty one when there is none)."""
+        return self.global_indexes.get(None) or SuffixIndex(self.max_depth)
 
     def num_indexed(self, request_id: str) -> int:
         idx = self.requests.get(request_id)
@@ -292,30 +364,53 @@ class SuffixCache:
         if tokens:
             idx.extend(request_id, tokens)
 
-    def speculate(self, request_id: str, max_tokens: int, max_spec_factor: float, min_token_prob: float) -> SuffixDraft:
+    def speculate(self, request_id: str, max_tokens: int, max_spec_factor: float, min_token_prob: float,
+                  tenant: str | None = None) -> SuffixDraft:  # fmt: skip
         idx = self.requests[request_id]
         context = idx.tokens(request_id) if request_id in idx else []
         best = idx.speculate(context, max_tokens, max_spec_factor, min_token_prob, own=True)
         best.source = "request"
-        if self._responses:
-            g = self.global_index.speculate(context, max_tokens, max_spec_factor, min_token_prob,
-                                            to_beat=(best.score, best.match_len))
+        shared = self.global_indexes.get(tenant)
+        if shared is not None:
+            g = shared.speculate(context, max_tokens, max_spec_factor, min_token_prob,
+                                 to_beat=(best.score, best.match_len))
             if g.token_ids:  # better than the request's own draft
                 g.source = "global"
                 best = g
         return best
 
-    def stop(self, request_id: str, response: list[int] | None = None) -> None:
-        """Forget the request; cache `response` in the global index (FIFO beyond the cap)."""
+    def stop(self, request_id: str, response: list[int] | None = None, tenant: str | None = None) -> None:
+        """Forget the request; cache `response` in its tenant's global index (oldest evicted
+        first, over all tenants, beyond either cap)."""
         self.requests.pop(request_id, None)
-        if response and self.max_cached_requests > 0:
-            rid = self._next_response
-            self._next_response += 1
-            self.global_index.extend(rid, list(response))
-            self.global_index.close()
-            self._responses.append(rid)
-            while len(self._responses) > self.max_cached_requests:
-                self.global_index.remove(self._responses.popleft())
+        if not response or self.max_cached_requests <= 0 or self.max_cached_bytes <= 0:
+            return
+        idx = self.global_indexes.get(tenant)
+        if idx is None:
+            idx = self.global_indexes[tenant] = SuffixIndex(self.max_depth)
+            self.num_bytes += idx.num_bytes
+        rid = self._next_response
+        self._next_response += 1
+        before = idx.num_bytes
+        idx.extend(rid, list(response))
+        idx.close()
+        self.num_bytes += idx.num_bytes - before
+        self._responses.append((tenant, rid))
+        while self._responses and (
+            len(self._responses) > self.max_cached_requests or self.num_bytes > self.max_cached_bytes
+        ):
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        tenant, rid = self._responses.popleft()
+        idx = self.global_indexes[tenant]
+        before = idx.num_bytes
+        idx.remove(rid)
+        if len(idx):
+            self.num_bytes -= before - idx.num_bytes
+        else:  # its last response: the whole index goes (its dicts never shrink otherwise)
+            del self.global_indexes[tenant]
+            self.num_bytes -= before
 
     @property
     def num_cached_responses(self) -> int:
@@ -328,10 +423,11 @@ class SuffixCache:
 class SuffixProposer:
     """Keeps each request's index in step with its committed tokens (at propose
     time: whatever was appended since) and caches a request's output when it
-    finishes.  The engine calls ``remove`` both when a request finishes (or is
-    aborted) and when it is preempted; the sequence says which (``finished``,
-    set before ``remove``): a preempted request keeps nothing here and is
-    re-indexed from its tokens when it is scheduled again."""
+    finishes, in the global index of its tenant (the sequence's ``cache_salt``).
+    The engine calls ``remove`` both when a request finishes (or is aborted) and
+    when it is preempted; the sequence says which (``finished``, set before
+    ``remove``): a preempted request keeps nothing here and is re-indexed from
+    its tokens when it is scheduled again."""
 
     aux_layer_ids: tuple[int, ...] = ()  # reads no target states
 
@@ -339,7 +435,8 @@ class SuffixProposer:
         self.k = spec.num_speculative_tokens
         self.factor = spec.suffix_decoding_max_spec_factor
         self.min_prob = spec.suffix_decoding_min_token_prob
-        self.cache = SuffixCache(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests)
+        self.cache = SuffixCache(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                                 spec.suffix_decoding_max_cached_bytes)
         self.seqs: dict[str, Any] = {}  # request id -> its sequence (a SeqView)
 
     def propose(self, requests: list[DraftRequest], step: Any = None) -> Proposal:
@@ -350,7 +447,8 @@ class SuffixProposer:
             done = self.cache.num_indexed(rid)
             self.cache.extend(rid, r.seq.token_ids[done:])
             n = min(self.k, r.max_drafts)
-            out.append(self.cache.speculate(rid, n, self.factor, self.min_prob).token_ids if n > 0 else [])
+            tenant = _tenant(r.seq)
+            out.append(self.cache.speculate(rid, n, self.factor, self.min_prob, tenant).token_ids if n > 0 else [])
         return Proposal(token_ids=out)
 
     def on_verified(self, seq, num_tokens_before, num_drafts, num_accepted) -> None:
@@ -359,7 +457,16 @@ class SuffixProposer:
     def remove(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         response = seq.token_ids[seq.num_prompt_tokens :] if seq is not None and seq.finished else None
-        self.cache.stop(request_id, response)
+        self.cache.stop(request_id, response, _tenant(seq) if seq is not None else None)
+
+    def cache_usage(self) -> tuple[int, int]:
+        """(estimated bytes, responses) of the global indexes, for the metrics."""
+        return self.cache.num_bytes, self.cache.num_cached_responses
+
+
+def _tenant(seq: Any) -> str | None:
+    """A sequence's partition key (views without one share the un-salted partition)."""
+    return getattr(seq, "cache_salt", None)
 
 
 @register("suffix")

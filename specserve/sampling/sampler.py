@@ -84,7 +84,6 @@ CPU both are plain copies.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,6 +91,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specserve.executor.staging import StagingBuffer, Transfer
 from specserve.request import GREEDY_EPS
 from specserve.sampling import rejection as _rejection
 from specserve.sampling.philox import ACCEPT, SAMPLE, keyed_uniforms, seed_to_int64
@@ -416,7 +416,8 @@ class DeviceSampler:
     """Persistent buffers + :func:`verify_step` + the one copy back to the host, for the step loop.
 
     ``prepare`` writes a step's inputs into a pinned host staging buffer and moves
-    it to the device with one non-blocking copy (the views it returns always
+    it to the device with one non-blocking copy (``StagingBuffer``: a host buffer is
+    rewritten only after its previous copy has run; the views it returns always
     point at the same device memory, so a CUDA graph captured on them stays
     valid); ``sample`` runs :func:`verify_step`; ``fetch`` copies the packed result
     into a pinned host buffer (one non-blocking copy + event wait) and unpacks it.
@@ -428,6 +429,8 @@ class DeviceSampler:
         method, synthetic_acceptance_rate: the verification method (see :func:`verify_step`).
         vocab_size: when given, ``prepare`` checks draft ids against it.
         use_kernel: passed to :func:`verify_step`.
+        transfer: the copier and events of the staging buffer (default: CUDA's; on the CPU
+            none, the device reads the host buffer); tests pass a device double.
     """
 
     def __init__(
@@ -439,6 +442,7 @@ class DeviceSampler:
         synthetic_acceptance_rate: float | None = None,
         vocab_size: int | None = None,
         use_kernel: bool | None = None,
+        transfer: Transfer | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
@@ -457,25 +461,14 @@ class DeviceSampler:
         shapes = {"top_k": (N,), "seed": (N,), "position": (N,), "num_drafts": (N,),
                   "row_index": (N, K + 1), "draft_ids": (N, K),
                   "temperature": (N,), "top_p": (N,), "min_p": (N,)}
-        layout, nbytes = {}, 0
-        for name in _INT_FIELDS + _FLOAT_FIELDS:
-            dtype = torch.int64 if name in _INT_FIELDS else torch.float32
-            size = math.prod(shapes[name]) * dtype.itemsize
-            layout[name] = (nbytes, size, dtype, shapes[name])
-            nbytes += size
-        self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self._device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-        def views(buf: Tensor) -> dict[str, Tensor]:
-            return {n: buf[s : s + z].view(dt).view(sh) for n, (s, z, dt, sh) in layout.items()}
-
-        self._host = {n: t.numpy() for n, t in views(self._staging).items()}  # numpy views of pinned memory
-        self._dev = views(self._device_bytes)
+        fields = [(n, shapes[n], torch.int64 if n in _INT_FIELDS else torch.float32)
+                  for n in _INT_FIELDS + _FLOAT_FIELDS]
+        # Pinned host buffers used in turn, each rewritten only after its last copy ran.
+        self._staging = StagingBuffer(fields, self.device, transfer)
+        self._dev = self._staging.d
         self._out_host = torch.empty(N * (K + 2), dtype=torch.int64, pin_memory=pin)
-        cuda = self.device.type == "cuda"
-        self._h2d_done = torch.cuda.Event() if cuda else None
-        self._d2h_done = torch.cuda.Event() if cuda else None
-        self._h2d_pending = False
+        t = self._staging.transfer
+        self._d2h_done = t.event() if t is not None else None
 
     def prepare(
         self,
@@ -531,9 +524,7 @@ class DeviceSampler:
                 list(min_ps) + pad,
             )
 
-        if self._h2d_pending and self._h2d_done is not None:
-            self._h2d_done.synchronize()  # the previous copy has left the staging buffer
-        h = self._host
+        h = self._staging.acquire()  # a host buffer no copy in flight still reads
         h["temperature"][:B] = temperatures
         h["top_k"][:B] = [max(int(k), 0) for k in top_ks]
         h["top_p"][:B] = top_ps
@@ -554,10 +545,7 @@ class DeviceSampler:
             for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("seed", 0),
                                 ("position", 0), ("num_drafts", 0), ("row_index", 0), ("draft_ids", -1)):
                 h[name][B:Bp] = value
-        self._device_bytes.copy_(self._staging, non_blocking=True)
-        if self._h2d_done is not None:
-            self._h2d_done.record()
-            self._h2d_pending = True
+        self._staging.upload()
         d = {name: t[:Bp] for name, t in self._dev.items()}
         if plain:
             d["row_index"], d["draft_ids"] = d["row_index"][:, :1], d["draft_ids"][:, :0]

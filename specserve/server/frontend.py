@@ -8,6 +8,8 @@ queueing, health and abort-on-disconnect behave the same on both.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +25,22 @@ from specserve.request import RequestOutput, SamplingParams, check_text
 from specserve.server.errors import EngineRequestError, UnknownModelError, classify
 
 log = logging.getLogger("specserve.server")
+
+MAX_NAME_CHARS = 256  # a model name or request id a client sends
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_name(field: str, value: str) -> None:
+    """Refuse an over-long name before it is echoed in errors or logs."""
+    if len(value) > MAX_NAME_CHARS:
+        raise InvalidRequestError(field, f"is {len(value)} characters; at most {MAX_NAME_CHARS} are allowed")
+
+
+def printable(text: str, limit: int = 256) -> str:
+    """Client text made safe for a log line or an error message: control and other
+    non-printable characters escaped as Python writes them, at most ``limit`` kept."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return out + (f"... ({len(text) - limit} more characters)" if len(text) > limit else "")
 
 
 @dataclass
@@ -54,6 +72,24 @@ class SamplingFields:
     logprobs: Any = None  # None = none; k = the token's log-probability + top k
     prompt_logprobs: Any = None
     structured_outputs: Any = None  # a StructuredOutputsParams
+    cache_salt: Any = None  # the client's cache partition within its tenant (vLLM's field): a string
+
+
+def cache_partition(tenant: str | None, salt: Any) -> str | None:
+    """The engine's cache partition (``SamplingParams.cache_salt``) of a request: its tenant
+    (a digest of its API key) and its own ``cache_salt``, hashed together; None (shared with
+    every other request without either) only when there is neither."""
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise InvalidRequestError("cache_salt", "must be a non-empty string")
+        if len(salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError("cache_salt", f"is {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+        check_text("cache_salt", salt)
+    if tenant is None and salt is None:
+        return None
+    # Length-prefixed parts: no (tenant, salt) pair can spell another's input.
+    parts = [p.encode("utf-8") for p in (tenant or "", salt or "")]
+    return hashlib.sha256(b"".join(len(p).to_bytes(4, "big") + p for p in parts)).hexdigest()
 
 
 class HealthState:
@@ -115,9 +151,13 @@ class Frontend:
         # Tokenizing and chat templating run here, never on the event loop both
         # servers share: a huge prompt must not stall other requests or health probes.
         self._pool = ThreadPoolExecutor(max_workers=cfg.tokenizer_threads, thread_name_prefix="specserve-tokenize")
+        # Grammars compile in their own threads: a long compile delays neither tokenizing nor the engine.
+        self._grammar_pool = ThreadPoolExecutor(max_workers=cfg.grammar_compile_threads,
+                                                thread_name_prefix="specserve-grammar")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     async def run_off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run slow per-request work (tokenizing, JSON parsing) in the worker pool."""
@@ -165,8 +205,9 @@ class Frontend:
             return
         if not isinstance(requested, str):
             raise InvalidRequestError("model", f"must be a string, got {type(requested).__name__}")
+        check_name("model", requested)
         if requested != self.model_name:
-            raise UnknownModelError(requested, self.model_name)
+            raise UnknownModelError(requested, self.model_name)  # quotes it with repr: escaped
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         if prompt == "":
@@ -199,7 +240,8 @@ class Frontend:
             raise InvalidRequestError("messages", "the chat template produced an empty prompt")
         return ids
 
-    def make_params(self, f: SamplingFields) -> SamplingParams:
+    def make_params(self, f: SamplingFields, tenant: str | None = None) -> SamplingParams:
+        """Validated parameters; ``tenant`` is the caller's (``ApiKeyChecker.authenticate``)."""
         params = SamplingParams(
             temperature=1.0 if f.temperature is None else f.temperature,
             top_p=1.0 if f.top_p is None else f.top_p,
@@ -218,10 +260,15 @@ class Frontend:
             logprobs=f.logprobs,
             prompt_logprobs=f.prompt_logprobs,
             structured_outputs=f.structured_outputs,
+            cache_salt=cache_partition(tenant, f.cache_salt),
         )
         return params.validate(self.cfg.max_tokens_cap)
 
     def prepare(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
+        if request_id:  # a client's id reaches logs, metrics and replies: a short printable name only
+            check_name("request_id", request_id)
+            if not request_id.isprintable():
+                raise InvalidRequestError("request_id", f"must not contain control characters: {printable(request_id)}")
         return PreparedRequest(request_id or f"req-{uuid.uuid4().hex}", prompt_token_ids, params)
 
     # ------------------------------------------------------------------ admission and stream
@@ -253,7 +300,8 @@ class Frontend:
         if task is not None:
             self._consumers[rid] = task
         try:
-            gen = self.engine.generate(rid, req.prompt_token_ids, req.params)
+            params = await self.compile_grammar(req.params)
+            gen = self.engine.generate(rid, req.prompt_token_ids, params)
             async with aclosing(gen):
                 async for out in gen:
                     if out.error:
@@ -274,6 +322,22 @@ class Frontend:
             self._failed.discard(rid)
             if not self._inflight:
                 self._idle.set()
+
+    async def compile_grammar(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its structured output compiled (``compiled_grammar``), in the
+        grammar threads and through the engine's cache, so the engine thread only copies it.
+        A bad grammar, one over ``grammar_max_chars`` or one still compiling after
+        ``grammar_compile_timeout_s`` is an InvalidRequestError naming the field."""
+        so = params.structured_outputs
+        backend = getattr(self.engine, "grammar_backend", None)
+        if so is None or backend is None or params.compiled_grammar is not None:
+            return params
+        from specserve.structured import grammar_field
+
+        text = await self.run_off_loop(backend.text, so, self.cfg.grammar_max_chars)
+        compiled = await backend.compile_async(text, grammar_field(so), self._grammar_pool,
+                                               self.cfg.grammar_compile_timeout_s)  # fmt: skip
+        return dataclasses.replace(params, compiled_grammar=compiled)
 
     def fail_stuck_requests(self) -> int:
         """After an engine failure: end requests still waiting on the dead engine with INTERNAL.

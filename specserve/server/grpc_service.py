@@ -3,6 +3,12 @@
 Streaming uses ``context.write`` from a coroutine (not an async generator), so
 a cancelled call or a passed deadline always lands as an exception inside the
 handler, which closes the engine stream and thereby aborts the request.
+
+Requests are parsed by the handlers, not by gRPC: bytes that are not a valid
+message are INVALID_ARGUMENT naming ``request`` (gRPC's own parsing would
+answer UNKNOWN).  When a stop string cuts the text, ``token_ids`` and
+``usage.completion_tokens`` end with the tokens that spell it: those generated
+past it in the same step are dropped.
 """
 
 from __future__ import annotations
@@ -10,14 +16,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specserve.engine.tokenizer import covering_token_count
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.request import FinishReason, RequestOutput, StructuredOutputsParams
 from specserve.sampling.logits_processors import LOGPROB_FLOOR
@@ -29,7 +37,7 @@ from specserve.server.errors import (
     classify,
     public_message,
 )
-from specserve.server.frontend import Frontend, PreparedRequest, SamplingFields
+from specserve.server.frontend import Frontend, PreparedRequest, SamplingFields, printable
 from specserve.v1 import specserve_pb2 as pb
 from specserve.v1 import specserve_pb2_grpc as pb_grpc
 
@@ -100,13 +108,62 @@ def sampling_fields(sp: pb.SamplingParams) -> SamplingFields:
     )
 
 
-def _response(request_id: str, text: str, token_ids: list[int], out: RequestOutput) -> pb.GenerateResponse:
+class _Malformed:
+    """What the lenient deserializer returns for bytes that are not a valid message."""
+
+    def __init__(self, type_name: str, error: Exception):
+        self.type_name, self.error = type_name, error
+
+
+def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return message_cls.FromString(raw)
+        except DecodeError as exc:
+            return _Malformed(message_cls.DESCRIPTOR.full_name, exc)
+
+    return parse
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        raise InvalidRequestError("request", f"is not a valid {request.type_name} message ({request.error})")
+    return request
+
+
+def _add_servicer(servicer: "SpecServeServicer", server: grpc.aio.Server) -> None:
+    """Register SpecServe as the generated ``add_SpecServeServicer_to_server`` does, but with
+    the lenient deserializer, so the handlers answer malformed bytes themselves."""
+    service = pb.DESCRIPTOR.services_by_name["SpecServe"]
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler}
+    handlers = {}
+    for m in service.methods:
+        handlers[m.name] = make[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, m.name),
+            request_deserializer=_lenient(getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _returned(fe: Frontend, req: PreparedRequest, out: RequestOutput) -> int:
+    """The completion tokens that spell the returned text (a stop string's cut drops the rest)."""
+    if out.finished and out.finish_reason is FinishReason.STOP and req.params.stop:
+        return covering_token_count(fe.engine.tokenizer, req.prompt_token_ids, out.token_ids, out.text)
+    return len(out.token_ids)
+
+
+def _response(
+    request_id: str, text: str, token_ids: list[int], out: RequestOutput, completion_tokens: int
+) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(
         request_id=request_id,
         text=text,
         token_ids=token_ids,
         usage=pb.Usage(
-            prompt_tokens=out.num_prompt_tokens, completion_tokens=len(out.token_ids),
+            prompt_tokens=out.num_prompt_tokens, completion_tokens=completion_tokens,
             accepted_prediction_tokens=out.spec.num_accepted_prediction_tokens,
             rejected_prediction_tokens=out.spec.num_rejected_prediction_tokens,
         ),
@@ -140,11 +197,20 @@ async def _deadline(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
 
 
 class SpecServeServicer(pb_grpc.SpecServeServicer):
-    def __init__(self, frontend: Frontend):
+    def __init__(self, frontend: Frontend, checker: ApiKeyChecker | None = None):
         self.fe = frontend
+        self._checker = checker
 
-    async def _prepare(self, request: pb.GenerateRequest) -> PreparedRequest:
+    def _tenant(self, context: grpc.aio.ServicerContext | None) -> str | None:
+        """The caller's tenant (its key was checked by the interceptor already)."""
+        if self._checker is None or context is None:
+            return None
+        return self._checker.authenticate(_authorization(context.invocation_metadata()))
+
+    async def _prepare(self, request: pb.GenerateRequest | _Malformed,
+                       context: grpc.aio.ServicerContext | None = None) -> PreparedRequest:  # fmt: skip
         fe = self.fe
+        request = _parsed(request)
         fe.check_model(request.model)
         which = request.WhichOneof("input")
         if which == "prompt":
@@ -156,7 +222,9 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             ids = await fe.tokenize_messages_async(msgs)
         else:
             raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
-        params = fe.make_params(sampling_fields(request.sampling_params))
+        fields = sampling_fields(request.sampling_params)
+        fields.cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        params = fe.make_params(fields, self._tenant(context))
         params.prediction_token_ids = await fe.tokenize_prediction_async(request.prediction)
         return fe.prepare(request.request_id, ids, params)
 
@@ -166,12 +234,12 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
         if kind is INTERNAL:
             log.error("gRPC request failed", exc_info=exc)
         else:
-            log.info("gRPC request refused: %s: %s", kind.name, exc)
+            log.info("gRPC request refused: %s: %s", kind.name, printable(str(exc), 1000))
         await context.abort(kind.grpc_code, public_message(exc))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         try:
-            req = await self._prepare(request)
+            req = await self._prepare(request, context)
             last: RequestOutput | None = None
             prompt_lps = None
             async with _deadline(context):
@@ -180,9 +248,10 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
                         last = out
                         prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
             assert last is not None and last.finished, "the engine ended a stream without a final output"
-            msg = _response(req.request_id, last.text, list(last.token_ids), last)
+            n = _returned(self.fe, req, last)
+            msg = _response(req.request_id, last.text, list(last.token_ids[:n]), last, n)
             tok = self.fe.engine.tokenizer
-            msg.logprobs.extend(_logprob_msgs(tok, last.logprobs))
+            msg.logprobs.extend(_logprob_msgs(tok, (last.logprobs or [])[:n]))
             msg.prompt_logprobs.extend(_logprob_msgs(tok, prompt_lps))
             return msg
         except Exception as exc:  # mapped to a status by the errors table
@@ -191,20 +260,26 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
-            req = await self._prepare(request)
+            req = await self._prepare(request, context)
             async with _deadline(context):
                 async with aclosing(self.fe.stream(req)) as outputs:
                     async for out in outputs:
                         if out.new_token_ids or out.new_text or out.finished:
-                            msg = _response(req.request_id, out.new_text, list(out.new_token_ids), out)
+                            n = _returned(self.fe, req, out)
+                            keep = max(0, len(out.new_token_ids) - (len(out.token_ids) - n))  # none past a stop
+                            msg = _response(req.request_id, out.new_text, list(out.new_token_ids[:keep]), out, n)
                             tok = self.fe.engine.tokenizer
-                            msg.logprobs.extend(_logprob_msgs(tok, out.new_logprobs))
+                            msg.logprobs.extend(_logprob_msgs(tok, (out.new_logprobs or [])[:keep]))
                             msg.prompt_logprobs.extend(_logprob_msgs(tok, out.prompt_logprobs))
                             await context.write(msg)
         except Exception as exc:
             await self._fail(context, exc)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        try:
+            _parsed(request)
+        except InvalidRequestError as exc:
+            await self._fail(context, exc)
         info = self.fe.engine.info
         return pb.ModelInfo(
             model_name=info.model_name,
@@ -230,14 +305,18 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         service = handler_call_details.method.lstrip("/").split("/", 1)[0]
         if service in OPEN_GRPC_SERVICES:
             return await continuation(handler_call_details)
-        metadata = {k.lower(): v for k, v in (handler_call_details.invocation_metadata or ())}
         try:
-            self._checker.check(metadata.get("authorization"))
+            self._checker.authenticate(_authorization(handler_call_details.invocation_metadata))
         except UnauthenticatedError as exc:
             self._fe.record_error(exc)
             handler = await continuation(handler_call_details)
             return None if handler is None else _denying_handler(handler, str(exc))
         return await continuation(handler_call_details)
+
+
+def _authorization(metadata: Any) -> list[str | bytes]:
+    """Every ``authorization`` value of a call's metadata (two are refused, as on HTTP)."""
+    return [v for k, v in (metadata or ()) if k.lower() == "authorization"]
 
 
 def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -295,7 +374,7 @@ async def start_grpc_server(
         ("grpc.keepalive_timeout_ms", min(idle_ms, 20_000)),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    pb_grpc.add_SpecServeServicer_to_server(SpecServeServicer(frontend), server)
+    _add_servicer(SpecServeServicer(frontend, checker), server)
     health_pb2_grpc.add_HealthServicer_to_server(grpc_health.servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

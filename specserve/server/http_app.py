@@ -3,11 +3,15 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` as server-sent events ending in ``data: [DONE]``),
 ``GET /v1/models[/{model}]``, ``GET /health`` (200 serving / 503 not) and
-``GET /metrics`` (Prometheus text format).
+``GET /metrics`` (Prometheus text format; it needs a key whenever the API or
+``server.metrics_key`` has one: ``specserve.server.auth``).  A body's
+``cache_salt`` (vLLM's field) narrows the caller's cache partition further.
 
-Besides OpenAI's fields, every completion (and the final chunk of a stream)
-carries ``spec_decode: {num_drafts, num_draft_tokens, num_accepted_tokens,
-mean_acceptance_length}`` for the request, as newer vLLM does.
+Both completion endpoints answer through ``openai_features.serve_choices`` (one
+path for one choice or many, whole or streamed).  Besides OpenAI's fields, every
+completion (and the final chunk of a stream) carries ``spec_decode: {num_drafts,
+num_draft_tokens, num_accepted_tokens, mean_acceptance_length}`` for the request,
+as newer vLLM does.
 
 The runner is created with ``handler_cancellation=True``: when a client
 disconnects, aiohttp cancels the handler, which closes the engine stream and
@@ -20,20 +24,16 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
-import uuid
 from collections.abc import Awaitable, Callable
-from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specserve.errors import InvalidRequestError
-from specserve.request import RequestOutput
-from specserve.server.auth import OPEN_HTTP_PATHS, ApiKeyChecker
+from specserve.server.auth import METRICS_PATH, OPEN_HTTP_PATHS, ApiKeyChecker
 from specserve.server.errors import INTERNAL, classify, openai_error_body
-from specserve.server.frontend import Frontend, PreparedRequest, SamplingFields
+from specserve.server.frontend import Frontend, SamplingFields, printable
 from specserve.server.openai_features import Features, completion_prompts, parse_features, serve_choices
 
 log = logging.getLogger("specserve.server.http")
@@ -49,6 +49,8 @@ _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
+CLOSE_AFTER_KEY = web.RequestKey("close_after", bool)  # close the connection after the answer
+TENANT_KEY = web.RequestKey("tenant", str)  # the caller's tenant (auth.ApiKeyChecker.authenticate)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -75,6 +77,13 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
             raw = await request.read()
     except TimeoutError:
         raise InvalidRequestError("body", f"was not received within {fe.cfg.body_timeout_s:g} s") from None
+    except web.RequestPayloadError as exc:  # e.g. Content-Encoding: gzip on bytes that are not gzip
+        # The rest of the body cannot be parsed: answer, then close the connection
+        # (no draining read of a broken body after the answer).
+        request[CLOSE_AFTER_KEY] = True
+        request.content.feed_eof()
+        cause = getattr(exc.__cause__, "message", None) or " ".join(str(exc).split())
+        raise InvalidRequestError("body", f"could not be read: {cause} (check the Content-Encoding header)") from None
     # Parsing megabytes of JSON takes a while: small bodies inline, big ones off the loop.
     body = _parse_json(raw) if len(raw) < INLINE_JSON_BYTES else await fe.run_off_loop(_parse_json, raw)
     if not isinstance(body, dict):
@@ -123,16 +132,17 @@ def _sampling_fields(body: dict[str, Any]) -> tuple[SamplingFields, str]:
         stop=stop,
         stop_token_ids=body.get("stop_token_ids"),
         ignore_eos=body.get("ignore_eos"),
+        cache_salt=body.get("cache_salt"),
     )
     return fields, max_key
 
 
-def _params(fe: Frontend, body: dict[str, Any], features: Features | None = None):
+def _params(fe: Frontend, body: dict[str, Any], features: Features | None = None, tenant: str | None = None):
     fields, max_key = _sampling_fields(body)
     if features is not None:
         fields = dataclasses.replace(fields, **features.fields)
     try:
-        return fe.make_params(fields)
+        return fe.make_params(fields, tenant)
     except InvalidRequestError as exc:
         if exc.field == "max_tokens" and max_key != "max_tokens":  # name the field the client sent
             raise InvalidRequestError(max_key, str(exc).split(": ", 1)[1]) from None
@@ -184,137 +194,7 @@ async def _prediction(fe: Frontend, body: dict[str, Any]) -> list[int] | None:
     return await fe.tokenize_prediction_async(content)
 
 
-# --------------------------------------------------------------------------- response shapes
-
-
-def _spec_decode(out: RequestOutput) -> dict[str, Any]:
-    s = out.spec
-    return {
-        "num_drafts": s.num_drafts,
-        "num_draft_tokens": s.num_draft_tokens,
-        "num_accepted_tokens": s.num_accepted_tokens,
-        "mean_acceptance_length": s.mean_acceptance_length,
-    }
-
-
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    completion = len(out.token_ids)
-    return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": out.num_prompt_tokens + completion,
-        "completion_tokens_details": {  # Predicted Outputs, as OpenAI reports them
-            "accepted_prediction_tokens": out.spec.num_accepted_prediction_tokens,
-            "rejected_prediction_tokens": out.spec.num_rejected_prediction_tokens,
-        },
-    }
-
-
-def _finish(out: RequestOutput) -> str | None:
-    return out.finish_reason.value if out.finished and out.finish_reason is not None else None
-
-
-class _Shape:
-    """How one endpoint names its objects and places text in a choice."""
-
-    def __init__(self, chat: bool, response_id: str, model: str):
-        self.chat = chat
-        self.id = response_id
-        self.model = model
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def full(self, out: RequestOutput) -> dict[str, Any]:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": None,
-                "finish_reason": _finish(out),
-            }
-            body = self._envelope("chat.completion")
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": _finish(out)}
-            body = self._envelope("text_completion")
-        body.update(choices=[choice], usage=_usage(out), spec_decode=_spec_decode(out))
-        return body
-
-    def chunk(self, out: RequestOutput | None, include_usage: bool) -> dict[str, Any]:
-        """A stream chunk; ``out=None`` is the chat role preamble."""
-        if self.chat:
-            body = self._envelope("chat.completion.chunk")
-            if out is None:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""}
-            else:
-                delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-            finish = None if out is None else _finish(out)
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            body = self._envelope("text_completion")
-            choice = {"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": _finish(out)}
-        body["choices"] = [choice]
-        if include_usage:
-            body["usage"] = None
-        if out is not None and out.finished:
-            body["spec_decode"] = _spec_decode(out)
-        return body
-
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
-        body.update(choices=[], usage=_usage(out), spec_decode=_spec_decode(out))
-        return body
-
-
 # --------------------------------------------------------------------------- handlers
-
-
-def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
-
-
-async def _generate(
-    request: web.Request, req: PreparedRequest, shape: _Shape, stream: bool, include_usage: bool
-) -> web.StreamResponse:
-    fe = request.app[FRONTEND_KEY]
-    async with aclosing(fe.stream(req)) as outputs:
-        if not stream:
-            last = None
-            async for out in outputs:
-                last = out
-            assert last is not None and last.finished, "the engine ended a stream without a final output"
-            return web.json_response(shape.full(last))
-
-        # Wait for the first output before sending headers: errors raised before
-        # it (queue full, bad input, draining) still get their HTTP status.
-        first = await anext(outputs)
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-        await response.prepare(request)
-        if shape.chat:
-            await response.write(_sse(shape.chunk(None, include_usage)))
-        out = first
-        try:
-            while True:
-                if out.new_text or out.new_token_ids or out.finished:
-                    await response.write(_sse(shape.chunk(out, include_usage)))
-                if out.finished:
-                    break
-                out = await anext(outputs)
-            if include_usage:
-                await response.write(_sse(shape.usage_chunk(out)))
-        except ConnectionError:
-            raise  # the client is gone; closing ``outputs`` aborts the request
-        except Exception as exc:  # after the headers: report in-band, as OpenAI does
-            fe.record_error(exc)
-            if classify(exc) is INTERNAL:
-                log.error("HTTP stream failed", exc_info=exc)
-            await response.write(_sse(openai_error_body(exc)[1]))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -324,13 +204,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=False)
     prompts, texts = await completion_prompts(fe, body)
-    params = _params(fe, body, features)
+    params = _params(fe, body, features, request.get(TENANT_KEY))
     params.prediction_token_ids = await _prediction(fe, body)
-    shape = _Shape(False, f"cmpl-{uuid.uuid4().hex}", fe.model_name)
-    if features.plain and len(prompts) == 1:
-        req = fe.prepare(shape.id, prompts[0], params)
-        return await _generate(request, req, shape, stream, include_usage)
-    return await serve_choices(request, fe, shape, prompts, texts, params, features, stream, include_usage, _sse)
+    return await serve_choices(request, fe, False, prompts, texts, params, features, stream, include_usage)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -340,13 +216,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=True)
     ids = await fe.tokenize_messages_async(_chat_messages(body))
-    params = _params(fe, body, features)
+    params = _params(fe, body, features, request.get(TENANT_KEY))
     params.prediction_token_ids = await _prediction(fe, body)
-    shape = _Shape(True, f"chatcmpl-{uuid.uuid4().hex}", fe.model_name)
-    if features.plain:
-        req = fe.prepare(shape.id, ids, params)
-        return await _generate(request, req, shape, stream, include_usage)
-    return await serve_choices(request, fe, shape, [ids], [None], params, features, stream, include_usage, _sse)
+    return await serve_choices(request, fe, True, [ids], [None], params, features, stream, include_usage)
 
 
 def _model_card(fe: Frontend) -> dict[str, Any]:
@@ -362,7 +234,7 @@ def _model_card(fe: Frontend) -> dict[str, Any]:
             "num_speculative_tokens": info.num_speculative_tokens,
             "lossless": bool(info.lossless),
         },
-        "parallelism": {  # the layout (tensor parallelism, issue #14)
+        "parallelism": {  # the layout (tensor parallelism)
             "tensor_parallel_size": int(getattr(info, "tensor_parallel_size", 1)),
             "draft_tensor_parallel_size": int(getattr(info, "draft_tensor_parallel_size", 1)),
         },
@@ -402,8 +274,13 @@ def _error_middleware(checker: ApiKeyChecker):
     ) -> web.StreamResponse:
         fe = request.app[FRONTEND_KEY]
         try:
-            if request.path not in OPEN_HTTP_PATHS:
-                checker.check(_raw_header(request, b"authorization"))
+            if request.path == METRICS_PATH:
+                if checker.metrics_protected:
+                    checker.authenticate_metrics(_raw_headers(request, b"authorization"))
+            elif request.path not in OPEN_HTTP_PATHS:
+                tenant = checker.authenticate(_raw_headers(request, b"authorization"))
+                if tenant is not None:
+                    request[TENANT_KEY] = tenant
             return await handler(request)
         except web.HTTPException as exc:  # routing errors (404, 405, 413): OpenAI-style bodies too
             if exc.status < 400:
@@ -414,29 +291,28 @@ def _error_middleware(checker: ApiKeyChecker):
             raise  # the client is gone; nothing to answer
         except Exception as exc:
             kind = fe.record_error(exc)
+            path = printable(request.path)  # the client's text: escaped for the log
             if classify(exc) is INTERNAL:
-                log.error("HTTP %s %s failed", request.method, request.path, exc_info=exc)
+                log.error("HTTP %s %s failed", request.method, path, exc_info=exc)
             else:
-                log.info("HTTP %s %s refused: %s: %s", request.method, request.path, kind, exc)
+                log.info("HTTP %s %s refused: %s: %s", request.method, path, kind, printable(str(exc), 1000))
             return _json_error(exc)
 
     return middleware
 
 
-def _raw_header(request: web.Request, name: bytes) -> bytes | None:
-    """A header's value as the client sent its bytes (auth compares bytes: a non-UTF-8
-    byte in the header is a wrong key, never a decoding error)."""
-    for key, value in request.raw_headers:
-        if key.lower() == name:
-            return value
-    return None
+def _raw_headers(request: web.Request, name: bytes) -> list[bytes]:
+    """Every value of a header as the client sent its bytes (auth compares bytes: a non-UTF-8
+    byte in the header is a wrong key, never a decoding error; two values are refused)."""
+    return [value for key, value in request.raw_headers if key.lower() == name]
 
 
-async def _close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+async def _close_when_needed(request: web.Request, response: web.StreamResponse) -> None:
     """While draining, answer with ``Connection: close``: a client must not reuse a
     keep-alive connection that the listener is about to close under it (its next
-    request would be cut without any response)."""
-    if request.app[FRONTEND_KEY].health.draining:
+    request would be cut without any response).  Likewise after a body that could
+    not be read to its end."""
+    if request.app[FRONTEND_KEY].health.draining or request.get(CLOSE_AFTER_KEY):
         response.force_close()  # close after this response ...
         response.headers["Connection"] = "close"  # ... and say so (the header is computed before this hook)
 
@@ -444,7 +320,7 @@ async def _close_when_draining(request: web.Request, response: web.StreamRespons
 def build_http_app(frontend: Frontend, checker: ApiKeyChecker) -> web.Application:
     app = web.Application(middlewares=[_error_middleware(checker)], client_max_size=MAX_BODY_BYTES)
     app[FRONTEND_KEY] = frontend
-    app.on_response_prepare.append(_close_when_draining)
+    app.on_response_prepare.append(_close_when_needed)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

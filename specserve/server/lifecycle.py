@@ -9,14 +9,20 @@ Drain order on SIGTERM: health turns NOT_SERVING (gRPC health and HTTP
 ``/health``); new requests get UNAVAILABLE / 503 while the listeners stay up;
 ``engine.drain(server.drain_timeout_s)`` lets in-flight requests finish and
 aborts what remains at the timeout (finish_reason ``abort``); the handlers
-send their final messages; the listeners close; the engine shuts down.  A
-second signal skips the wait and aborts everything at once.
+send their final messages; the listeners close; the engine shuts down.
+
+A second SIGTERM/SIGINT cuts the wait short: every in-flight request is
+aborted at once and ends as a drain timeout ends it (a final message with
+finish_reason ``abort``, ``data: [DONE]`` for SSE streams), and the process
+exits as soon as those final messages are out -- the listeners stay open
+until then (at the latest until the drain deadline), so no response is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import signal
 import socket
@@ -32,7 +38,7 @@ from prometheus_client import CollectorRegistry
 from specserve.config import Config, ServerConfig
 from specserve.errors import ConfigError
 from specserve.metrics import MetricsIdentity, SpecServeMetrics
-from specserve.server.auth import ApiKeyChecker, resolve_api_key
+from specserve.server.auth import ApiKeyChecker
 from specserve.server.frontend import Frontend, HealthState
 from specserve.server.grpc_service import GrpcHealth, start_grpc_server
 from specserve.server.http_app import build_http_app
@@ -110,6 +116,7 @@ class SpecServeServers:
         self._tasks: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
         self._stopped = False
+        self._hurry = asyncio.Event()  # set by abort_inflight(): a drain stops waiting
         self.engine_dead_grace_s = ENGINE_DEAD_GRACE_S
 
     def _spawn(self, coro) -> None:
@@ -120,7 +127,7 @@ class SpecServeServers:
     async def start(self) -> None:
         cfg = self.cfg
         tls = _read_tls(cfg)
-        checker = ApiKeyChecker(resolve_api_key(cfg))
+        checker = ApiKeyChecker.from_config(cfg)
         self.frontend = Frontend(self.engine, cfg, self.metrics, self.health)
         grpc_health = GrpcHealth()
         await grpc_health.set(self.health.refresh())
@@ -166,17 +173,47 @@ class SpecServeServers:
                         log.error("the engine failed and left requests unanswered; ended them with INTERNAL")
             await asyncio.sleep(HEALTH_POLL_S)
 
+    def abort_inflight(self) -> None:
+        """Make a drain (running or still to come) abort in-flight requests now instead of
+        waiting for them; the handlers still send their final messages before the stop."""
+        self._hurry.set()
+
     async def drain(self, timeout_s: float | None = None) -> None:
         """NOT_SERVING, refuse new work, finish or abort in-flight requests, then stop."""
         timeout_s = self.cfg.drain_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         self.health.mark_draining()
         await asyncio.sleep(0)  # let the health watchers publish NOT_SERVING first
         inflight = self.frontend.num_inflight if self.frontend else 0
         log.info("draining: %d request(s) in flight, up to %.1f s", inflight, timeout_s)
-        await self.engine.drain(timeout_s)
-        if self.frontend is not None and not await self.frontend.wait_idle(HANDLER_GRACE_S):
+        if not await self._unless_hurried(self.engine.drain(timeout_s)):
+            inflight = self.frontend.num_inflight if self.frontend else 0
+            log.warning("draining: aborting %d in-flight request(s) now", inflight)
+            await self.engine.drain(0)
+        # The aborted requests' final messages go out before the listeners close: the
+        # handlers get what is left of the drain time (at least HANDLER_GRACE_S).
+        grace = max(deadline - loop.time(), HANDLER_GRACE_S)
+        if self.frontend is not None and not await self.frontend.wait_idle(grace):
             log.warning("draining: %d handler(s) still running after the engine drained", self.frontend.num_inflight)
         await self.stop()
+
+    async def _unless_hurried(self, coro: Any) -> bool:
+        """Await ``coro``; False when ``abort_inflight`` came first (``coro`` is then cancelled)."""
+        task = asyncio.ensure_future(coro)
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            await asyncio.wait([task, hurry], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurry.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if task.cancelled():
+            return False
+        task.result()  # the drain's own errors propagate
+        return True
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Close both listeners; RPCs still running after ``grace_s`` are cancelled (and so aborted)."""
@@ -228,6 +265,10 @@ class ServerHandle:
     def drain(self, timeout_s: float | None = None) -> None:
         self.begin_drain(timeout_s).result()
         self._finish()
+
+    def abort_inflight(self) -> None:
+        """What a second SIGTERM does: a drain aborts in-flight requests now."""
+        self.loop.call_soon_threadsafe(self.servers.abort_inflight)
 
     def stop(self) -> None:
         if self.thread.is_alive():
@@ -312,16 +353,20 @@ async def _serve(cfg: ServerConfig, engine: Any) -> int:
         await servers.start()
         stop_requested = asyncio.Event()
         signals_seen: list[int] = []
-        drain_task: asyncio.Task | None = None
 
         def on_signal(signum: int) -> None:
             signals_seen.append(signum)
+            name = signal.Signals(signum).name
             if len(signals_seen) == 1:
-                log.info("%s received: draining (up to %.1f s)", signal.Signals(signum).name, cfg.drain_timeout_s)
+                log.info("%s received: draining (up to %.1f s; a second signal aborts in-flight requests)",
+                         name, cfg.drain_timeout_s)  # fmt: skip
                 stop_requested.set()
-            elif drain_task is not None:
-                log.warning("second signal: aborting in-flight requests now")
-                drain_task.cancel()
+            elif len(signals_seen) == 2:
+                log.warning("second signal (%s): aborting in-flight requests now", name)
+                stop_requested.set()
+                servers.abort_inflight()
+            else:
+                log.warning("%s received again: in-flight requests are being aborted", name)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
@@ -334,11 +379,7 @@ async def _serve(cfg: ServerConfig, engine: Any) -> int:
             await asyncio.sleep(servers.engine_dead_grace_s)  # in-flight requests get their errors first
             return 1
         fatal.cancel()
-        drain_task = loop.create_task(servers.drain())
-        try:
-            await drain_task
-        except asyncio.CancelledError:
-            await servers.stop(grace_s=0)
+        await servers.drain()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         return 0

@@ -1,18 +1,23 @@
-"""OpenAI features of the HTTP front end (issue #13): n / best_of, batched prompts, echo,
-log-probabilities, penalties, logit_bias, min_tokens and structured outputs.
+"""The OpenAI endpoints' request features and response shapes.
 
-Parsing (:func:`parse_features`) turns the body's fields into ``SamplingFields``
-extras plus the fan-out; :func:`serve_choices` runs one engine request per
-choice (``n`` copies of each prompt, or ``best_of`` candidates of which the ``n``
-with the highest cumulative log-probability are returned), concurrently, and
-answers with OpenAI's shapes, streamed (chunks of all choices interleaved, each
-with its ``index``) or not.  Choice ``index`` = prompt index * n + copy, as OpenAI
-numbers them.  The copies of one prompt share its KV blocks through the prefix
-cache (the scheduler lets a copy wait one step for the blocks another copy is
-computing).
+Parsing (:func:`parse_features`) turns the body's fields (n / best_of, echo,
+log-probabilities, penalties, logit_bias, min_tokens, structured outputs) into
+``SamplingFields`` extras plus the fan-out.  :func:`serve_choices` is the one
+response path of both endpoints: it runs one engine request per choice (``n``
+copies of each prompt, or ``best_of`` candidates of which the ``n`` with the
+highest cumulative log-probability are returned; a plain request is one choice),
+concurrently, and answers with OpenAI's shapes, streamed (chunks of all choices
+interleaved, each with its ``index``) or not.  Choice ``index`` = prompt index * n
++ copy, as OpenAI numbers them.  The copies of one prompt share its KV blocks
+through the prefix cache (the scheduler lets a copy wait one step for the blocks
+another copy is computing).
 
 Seeds: with ``seed`` s and several copies, copy i samples with seed s + i (vLLM's
 rule), so the copies differ and the whole answer is reproducible.
+
+Usage counts the prompt once per prompt and the completion tokens each choice
+returns: when a stop string cuts the text, the tokens generated past it (they
+arrive in the same step) are not counted, nor shown in ``logprobs``.
 
 Log-probabilities are the target's, after the request's penalties/bias/grammar,
 before temperature and top-k/top-p (``specserve.sampling.logits_processors``);
@@ -24,15 +29,30 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from specserve.engine.tokenizer import covering_token_count
 from specserve.errors import InvalidRequestError
-from specserve.request import MAX_LOGPROBS, SEED_MAX, RequestOutput, SamplingParams, StructuredOutputsParams
+from specserve.request import (
+    MAX_LOGPROBS,
+    SEED_MAX,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from specserve.sampling.logits_processors import LOGPROB_FLOOR
+from specserve.server.errors import INTERNAL, classify, openai_error_body
+
+log = logging.getLogger("specserve.server.http")
 
 MAX_N = 16  # choices (n, best_of) per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -46,11 +66,6 @@ class Features:
     best_of: int = 1
     echo: bool = False
     logprobs: int | None = None  # top-k per token, None = no logprobs in the answer
-
-    @property
-    def plain(self) -> bool:
-        """One choice per prompt and nothing this module must shape."""
-        return self.n == 1 and self.best_of == 1 and not self.echo and self.logprobs is None
 
 
 def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
@@ -119,8 +134,9 @@ def parse_features(body: dict, chat: bool) -> Features:
     if chat:
         if body.get("echo"):
             raise InvalidRequestError("echo", "is not supported for chat completions")
-        if body.get("best_of") not in (None, 1):
-            raise InvalidRequestError("best_of", "is not supported for chat completions")
+        if body.get("best_of") not in (None, 1):  # OpenAI's chat API has none; vLLM's V1 engine neither
+            raise InvalidRequestError("best_of", "is not supported for chat completions; use /v1/completions")
+        f.best_of = f.n  # one candidate per choice
         lp = body.get("logprobs")
         if lp is not None and not isinstance(lp, bool):
             raise InvalidRequestError("logprobs", f"must be a boolean, got {type(lp).__name__}")
@@ -238,26 +254,36 @@ def chat_logprobs(tt: TokenText, lps: list) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-# --------------------------------------------------------------------------- fan-out
+# --------------------------------------------------------------------------- choices and their requests
 
 
 @dataclass
 class _Job:
+    """One engine request: a choice (or a best_of candidate) of one prompt."""
+
     index: int  # choice index (or candidate index with best_of)
     prompt: int
     req: Any  # PreparedRequest
     last: RequestOutput | None = None
-    sent_echo: bool = False
     prompt_lps: list | None = None  # echo: the prompt's log-probabilities, when they arrive
+    sent_echo: bool = False
+    sent_tokens: int = 0  # completion tokens streamed so far
+    returned: int | None = None  # completion tokens the client gets (known at the end)
+
+    def record(self, out: RequestOutput) -> None:
+        self.last = out
+        if out.prompt_logprobs is not None:
+            self.prompt_lps = out.prompt_logprobs
 
 
 def _child_seed(seed: int, i: int) -> int:
     return seed + i if seed + i <= SEED_MAX else seed - i
 
 
-def _jobs(fe: Any, shape: Any, prompts: list[list[int]], params: SamplingParams, f: Features) -> list[_Job]:
-    jobs = []
+def _jobs(fe: Any, response_id: str, prompts: list[list[int]], params: SamplingParams, f: Features) -> list[_Job]:
     per = f.best_of
+    single = len(prompts) == 1 and per == 1
+    jobs = []
     for p, ids in enumerate(prompts):
         for c in range(per):
             sp = copy.copy(params)
@@ -267,74 +293,54 @@ def _jobs(fe: Any, shape: Any, prompts: list[list[int]], params: SamplingParams,
                 sp.logprobs = 0  # best_of ranks by cumulative log-probability
             if f.echo and f.logprobs is not None:
                 sp.prompt_logprobs = f.logprobs
-            jobs.append(_Job(p * per + c, p, fe.prepare(f"{shape.id}-{p}-{c}", ids, sp)))
+            rid = response_id if single else f"{response_id}-{p}-{c}"
+            jobs.append(_Job(p * per + c, p, fe.prepare(rid, ids, sp)))
     return jobs
 
 
-def _spec(outs: list[RequestOutput]) -> dict[str, Any]:
-    d = sum(o.spec.num_drafts for o in outs)
-    a = sum(o.spec.num_accepted_tokens for o in outs)
-    return {"num_drafts": d, "num_draft_tokens": sum(o.spec.num_draft_tokens for o in outs),
-            "num_accepted_tokens": a, "mean_acceptance_length": 1.0 + a / d if d else 1.0}  # fmt: skip
+async def _consume(fe: Any, job: _Job, queue: asyncio.Queue) -> None:
+    """Feed one job's outputs into ``queue``; then None, or the exception that ended it."""
+    try:
+        async with aclosing(fe.stream(job.req)) as outputs:
+            async for out in outputs:
+                job.record(out)
+                queue.put_nowait((job, out))
+    except Exception as exc:  # handed to the reader, which raises it
+        queue.put_nowait(exc)
+    else:
+        queue.put_nowait(None)
 
 
-def _usage(jobs: list[_Job], n_prompts: int) -> dict[str, Any]:
-    seen: dict[int, int] = {}
-    completion = 0
-    for j in jobs:
-        if j.last is not None:
-            seen[j.prompt] = j.last.num_prompt_tokens
-            completion += len(j.last.token_ids)
-    prompt = sum(seen.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+async def _outputs(fe: Any, jobs: list[_Job]) -> AsyncIterator[tuple[_Job, RequestOutput]]:
+    """Every job's outputs as they arrive (recorded on the job); the first failure is raised.
+
+    Closing this generator (a disconnected client, a failure) aborts every job."""
+    if len(jobs) == 1:  # one choice: read its stream in this task, no queue
+        job = jobs[0]
+        async with aclosing(fe.stream(job.req)) as outputs:
+            async for out in outputs:
+                job.record(out)
+                yield job, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_consume(fe, j, queue)) for j in jobs]
+    try:
+        running = len(jobs)
+        while running:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class _Shaper:
-    def __init__(self, shape: Any, fe: Any, f: Features, texts: list[str | None], prompts: list[list[int]]):
-        self.shape, self.f, self.texts, self.prompts = shape, f, texts, prompts
-        self.tt = TokenText(fe.engine.tokenizer)
-        self.tok = fe.engine.tokenizer
-
-    def _prompt_text(self, p: int) -> str:
-        t = self.texts[p]
-        return t if t is not None else self.tok.decode(self.prompts[p])
-
-    def _logprobs(self, job: _Job, out: RequestOutput, lps: list | None, echo: bool) -> dict | None:
-        if self.f.logprobs is None:
-            return None
-        lps = lps or []
-        if self.shape.chat:
-            return chat_logprobs(self.tt, lps)
-        if not echo:
-            return completion_logprobs(self.tt, lps)
-        tokens, token_lps, tops, offsets = prompt_entries(self.tt, self.prompts[job.prompt], job.prompt_lps or [])
-        rest = completion_logprobs(self.tt, lps, (offsets[-1] + len(tokens[-1])) if tokens else 0)
-        return {"tokens": tokens + rest["tokens"], "token_logprobs": token_lps + rest["token_logprobs"],
-                "top_logprobs": tops + rest["top_logprobs"], "text_offset": offsets + rest["text_offset"]}  # fmt: skip
-
-    def full_choice(self, index: int, job: _Job) -> dict[str, Any]:
-        out = job.last
-        finish = out.finish_reason.value if out.finish_reason is not None else None
-        lps = self._logprobs(job, out, out.logprobs, self.f.echo)
-        if self.shape.chat:
-            return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": lps,
-                    "finish_reason": finish}  # fmt: skip
-        text = (self._prompt_text(job.prompt) + out.text) if self.f.echo else out.text
-        return {"index": index, "text": text, "logprobs": lps, "finish_reason": finish}
-
-    def chunk_choice(self, job: _Job, out: RequestOutput | None) -> dict[str, Any]:
-        if self.shape.chat:
-            if out is None:
-                return {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}  # fmt: skip
-            delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-            lps = self._logprobs(job, out, out.new_logprobs, False)
-            return {"index": job.index, "delta": delta, "logprobs": lps, "finish_reason": _finish(out)}
-        echo = self.f.echo and not job.sent_echo
-        job.sent_echo = True
-        text = (self._prompt_text(job.prompt) + out.new_text) if echo else out.new_text
-        return {"index": job.index, "text": text, "logprobs": self._logprobs(job, out, out.new_logprobs, echo),
-                "finish_reason": _finish(out)}  # fmt: skip
+# --------------------------------------------------------------------------- response shapes
 
 
 def _finish(out: RequestOutput) -> str | None:
@@ -345,111 +351,184 @@ def _cumulative(out: RequestOutput) -> float:
     return sum(e.logprob for e in (out.logprobs or []))
 
 
-async def _consume(fe: Any, job: _Job, queue: asyncio.Queue | None) -> None:
-    async with aclosing(fe.stream(job.req)) as outputs:
-        async for out in outputs:
-            job.last = out
-            if out.prompt_logprobs is not None:
-                job.prompt_lps = out.prompt_logprobs
-            if queue is not None:
-                await queue.put((job, out))
-    if queue is not None:
-        await queue.put((job, None))
+def _spec(outs: list[RequestOutput]) -> dict[str, Any]:
+    """spec_decode of one request, or summed over the choices of a response."""
+    d = sum(o.spec.num_drafts for o in outs)
+    a = sum(o.spec.num_accepted_tokens for o in outs)
+    return {"num_drafts": d, "num_draft_tokens": sum(o.spec.num_draft_tokens for o in outs),
+            "num_accepted_tokens": a, "mean_acceptance_length": 1.0 + a / d if d else 1.0}  # fmt: skip
 
 
-async def _cancel(tasks: list[asyncio.Task]) -> None:
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+class Shaper:
+    """OpenAI's objects for one response: chat or completions, whole or streamed, any number
+    of choices."""
 
+    def __init__(self, chat: bool, fe: Any, f: Features, texts: list[str | None], prompts: list[list[int]]):
+        self.chat, self.f, self.texts, self.prompts = chat, f, texts, prompts
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.model = fe.model_name
+        self.created = int(time.time())
+        self.tok = fe.engine.tokenizer
+        self.tt = TokenText(self.tok)
 
-async def serve_choices(request: web.Request, fe: Any, shape: Any, prompts: list[list[int]], texts: list[str | None],
-                        params: SamplingParams, f: Features, stream: bool, include_usage: bool,
-                        sse: Any) -> web.StreamResponse:  # fmt: skip
-    jobs = _jobs(fe, shape, prompts, params, f)
-    shaper = _Shaper(shape, fe, f, texts, prompts)
-    if not stream:
-        tasks = [asyncio.create_task(_consume(fe, j, None)) for j in jobs]
-        try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    await _cancel(list(pending))
-                    raise t.exception()
-        finally:
-            await _cancel([t for t in tasks if not t.done()])
-        choices = []
+    # ---------------------------------------------------------------- envelopes
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _chunk_envelope(self) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+
+    def full(self, jobs: list[_Job]) -> dict[str, Any]:
+        """The whole response; with best_of, each prompt's n most likely candidates."""
+        for j in jobs:
+            assert j.last is not None and j.last.finished, "the engine ended a stream without a final output"
+        f = self.f
         if f.best_of > f.n:
-            for p in range(len(prompts)):
+            choices = []
+            for p in range(len(self.prompts)):
                 cands = [j for j in jobs if j.prompt == p]
                 best = sorted(cands, key=lambda j: _cumulative(j.last), reverse=True)[: f.n]
-                choices += [shaper.full_choice(p * f.n + r, j) for r, j in enumerate(best)]
+                choices += [self._full_choice(p * f.n + r, j) for r, j in enumerate(best)]
         else:
-            choices = [shaper.full_choice(j.index, j) for j in jobs]
-        body = shape._envelope("chat.completion" if shape.chat else "text_completion")
-        body.update(choices=choices, usage=_usage(jobs, len(prompts)), spec_decode=_spec([j.last for j in jobs]))
-        return web.json_response(body)
+            choices = [self._full_choice(j.index, j) for j in jobs]
+        body = self._envelope("chat.completion" if self.chat else "text_completion")
+        body.update(choices=choices, usage=self.usage(jobs), spec_decode=_spec([j.last for j in jobs]))
+        return body
 
-    queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_consume(fe, j, queue)) for j in jobs]
-    waiter = asyncio.ensure_future(asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION))
-    obj = "chat.completion.chunk" if shape.chat else "text_completion"
-
-    def chunk(choice: dict, out: RequestOutput | None) -> dict:
-        body = shape._envelope(obj)
-        body["choices"] = [choice]
+    def chunk(self, job: _Job, out: RequestOutput | None, include_usage: bool) -> dict[str, Any]:
+        """A stream chunk for one choice; ``out=None`` is the chat role preamble."""
+        body = self._chunk_envelope()
+        body["choices"] = [self._chunk_choice(job, out)]
         if include_usage:
             body["usage"] = None
         if out is not None and out.finished:
             body["spec_decode"] = _spec([out])
         return body
 
-    async def next_item():
-        getter = asyncio.ensure_future(queue.get())
-        await asyncio.wait([getter, waiter], return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            return getter.result()
-        getter.cancel()
-        for t in tasks:  # a consumer failed
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                raise t.exception()
-        return await queue.get()
+    def usage_chunk(self, jobs: list[_Job]) -> dict[str, Any]:
+        body = self._chunk_envelope()
+        body.update(choices=[], usage=self.usage(jobs), spec_decode=_spec([j.last for j in jobs]))
+        return body
 
-    try:
-        first = await next_item()  # errors before the first output keep their HTTP status
+    def usage(self, jobs: list[_Job]) -> dict[str, Any]:
+        """Prompt tokens once per prompt; completion tokens as returned (after a stop string's
+        cut), over every choice (and every best_of candidate: all were generated)."""
+        prompt = sum({j.prompt: j.last.num_prompt_tokens for j in jobs}.values())
+        completion = sum(self.returned(j) for j in jobs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "completion_tokens_details": {  # Predicted Outputs, as OpenAI reports them
+                "accepted_prediction_tokens": sum(j.last.spec.num_accepted_prediction_tokens for j in jobs),
+                "rejected_prediction_tokens": sum(j.last.spec.num_rejected_prediction_tokens for j in jobs),
+            },
+        }
+
+    def returned(self, job: _Job) -> int:
+        """The finished job's completion tokens the client gets: a stop string's cut drops
+        the tokens generated past it (they arrive in the same step as the stop string)."""
+        if job.returned is None:
+            out = job.last
+            n = len(out.token_ids)
+            if out.finish_reason is FinishReason.STOP and job.req.params.stop:
+                n = covering_token_count(self.tok, job.req.prompt_token_ids, out.token_ids, out.text)
+            job.returned = n
+        return job.returned
+
+    # ---------------------------------------------------------------- choices
+
+    def _prompt_text(self, p: int) -> str:
+        t = self.texts[p]
+        return t if t is not None else self.tok.decode(self.prompts[p])
+
+    def _logprobs(self, job: _Job, lps: list, echo: bool) -> dict | None:
+        if self.f.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tt, lps)
+        if not echo:
+            return completion_logprobs(self.tt, lps)
+        tokens, token_lps, tops, offsets = prompt_entries(self.tt, self.prompts[job.prompt], job.prompt_lps or [])
+        rest = completion_logprobs(self.tt, lps, (offsets[-1] + len(tokens[-1])) if tokens else 0)
+        return {"tokens": tokens + rest["tokens"], "token_logprobs": token_lps + rest["token_logprobs"],
+                "top_logprobs": tops + rest["top_logprobs"], "text_offset": offsets + rest["text_offset"]}  # fmt: skip
+
+    def _full_choice(self, index: int, job: _Job) -> dict[str, Any]:
+        out = job.last
+        lps = self._logprobs(job, (out.logprobs or [])[: self.returned(job)], self.f.echo)
+        if self.chat:
+            message = {"role": "assistant", "content": out.text}
+            return {"index": index, "message": message, "logprobs": lps, "finish_reason": _finish(out)}
+        text = (self._prompt_text(job.prompt) + out.text) if self.f.echo else out.text
+        return {"index": index, "text": text, "logprobs": lps, "finish_reason": _finish(out)}
+
+    def _new_logprobs(self, job: _Job, out: RequestOutput) -> list:
+        lps = out.new_logprobs or []
+        if out.finished:  # none for the tokens past a stop string
+            lps = lps[: max(0, self.returned(job) - job.sent_tokens)]
+        job.sent_tokens += len(out.new_token_ids)
+        return lps
+
+    def _chunk_choice(self, job: _Job, out: RequestOutput | None) -> dict[str, Any]:
+        if self.chat:
+            if out is None:
+                return {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}  # fmt: skip
+            delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+            lps = self._logprobs(job, self._new_logprobs(job, out), False)
+            return {"index": job.index, "delta": delta, "logprobs": lps, "finish_reason": _finish(out)}
+        echo = self.f.echo and not job.sent_echo
+        job.sent_echo = True
+        text = (self._prompt_text(job.prompt) + out.new_text) if echo else out.new_text
+        lps = self._logprobs(job, self._new_logprobs(job, out), echo)
+        return {"index": job.index, "text": text, "logprobs": lps, "finish_reason": _finish(out)}
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+async def serve_choices(request: web.Request, fe: Any, chat: bool, prompts: list[list[int]],
+                        texts: list[str | None], params: SamplingParams, f: Features, stream: bool,
+                        include_usage: bool) -> web.StreamResponse:  # fmt: skip
+    """Run every choice of every prompt and answer with OpenAI's shapes, whole or streamed."""
+    shaper = Shaper(chat, fe, f, texts, prompts)
+    jobs = _jobs(fe, shaper.id, prompts, params, f)
+    async with aclosing(_outputs(fe, jobs)) as items:
+        if not stream:
+            async for _ in items:
+                pass
+            return web.json_response(shaper.full(jobs))
+        # Wait for the first output before sending headers: errors raised before
+        # it (queue full, bad input, draining) still get their HTTP status.
+        item = await anext(items)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         await response.prepare(request)
-        if shape.chat:
-            for j in jobs:
-                await response.write(sse(chunk(shaper.chunk_choice(j, None), None)))
-        open_jobs = len(jobs)
-        item = first
         try:
-            while True:
+            if chat:
+                for j in jobs:
+                    await response.write(sse(shaper.chunk(j, None, include_usage)))
+            while item is not None:
                 job, out = item
-                if out is None:
-                    open_jobs -= 1
-                    if open_jobs == 0:
-                        break
-                elif out.new_text or out.new_token_ids or out.finished:
-                    await response.write(sse(chunk(shaper.chunk_choice(job, out), out)))
-                item = await next_item()
+                if out.new_text or out.new_token_ids or out.finished:
+                    await response.write(sse(shaper.chunk(job, out, include_usage)))
+                item = await anext(items, None)
             if include_usage:
-                body = shape._envelope(obj)
-                body.update(choices=[], usage=_usage(jobs, len(prompts)), spec_decode=_spec([j.last for j in jobs]))
-                await response.write(sse(body))
+                await response.write(sse(shaper.usage_chunk(jobs)))
         except ConnectionError:
-            raise
-        except Exception as exc:  # after the headers: in-band, as OpenAI does
-            from specserve.server.errors import openai_error_body
-
+            raise  # the client is gone; closing ``items`` aborts the requests
+        except Exception as exc:  # after the headers: report in-band, as OpenAI does
             fe.record_error(exc)
+            if classify(exc) is INTERNAL:
+                log.error("HTTP stream failed", exc_info=exc)
             await response.write(sse(openai_error_body(exc)[1]))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-    finally:
-        waiter.cancel()
-        await _cancel([t for t in tasks if not t.done()])

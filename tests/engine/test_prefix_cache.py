@@ -20,6 +20,22 @@ def test_chain_hashes_name_the_prefix():
     assert chain_hashes([1, 2, 3, 4, 5, 6], 2, 3, a[0][0], 1) == a[1:]
 
 
+def test_the_salt_seeds_the_chain():
+    """Equal tokens under different cache partitions share no hash and no key, so no block."""
+    toks = [1, 2, 3, 4, 5, 6]
+    plain, a, b = (chain_hashes(toks, 2, 3, salt=s) for s in (None, "tenant-a", "tenant-b"))
+    assert plain == chain_hashes(toks, 2, 3)
+    for x, y in ((plain, a), (a, b), (plain, b)):
+        assert all(hx != hy and kx != ky for (hx, kx), (hy, ky) in zip(x, y))
+    assert chain_hashes(toks, 2, 3, a[0][0], 1, salt="tenant-a") == a[1:]  # the salt only seeds block 0
+    bm = BlockManager(num_blocks=4, block_size=2, enable_caching=True)
+    t: list[int] = []
+    bm.ensure(t, 6)
+    for blk, (h, key) in zip(t, a):
+        bm.register(blk, h, key)
+    assert bm.match(a) == t and bm.match(b) == [] and bm.match(plain) == []
+
+
 def test_register_match_acquire_and_lru_eviction():
     bm = BlockManager(num_blocks=4, block_size=2, enable_caching=True)
     t: list[int] = []
@@ -129,3 +145,39 @@ def test_prefix_cache_metrics(tiny_llama, shared_prompts):
     h = reg.get_sample_value("specserve_prefix_cache_hits_total", {"model_name": "tiny", "method": "none"})
     assert q == sum(len(p) for p in shared_prompts[:3])
     assert h == eng.blocks.num_hit_tokens > 0
+
+
+def test_another_tenants_prompt_gives_no_prefix_cache_hits(tiny_llama):
+    """The reported attack: tenant A's prompt holds a PIN; tenant B sends the prompt with
+    guesses of it and reads the prefix-cache hit counter.  B's hits must be exactly what
+    they are on an engine that never saw A's prompt (0 for its first request), right guess
+    or wrong; A itself still hits its own blocks."""
+    from prometheus_client import CollectorRegistry
+
+    from specserve.metrics import MetricsIdentity, SpecServeMetrics
+
+    prefix = random_prompts(1, seed=31, lo=16, hi=17)[0]  # 4 blocks of 4
+    tail = random_prompts(1, seed=32, lo=12, hi=13)[0]
+    secret = prefix + [7, 7, 7, 7] + tail
+
+    def engine():
+        eng = LLMEngine(_cfg(tiny_llama, True))
+        m = SpecServeMetrics(CollectorRegistry(), MetricsIdentity("tiny", "none", 0))
+        eng.listeners.append(m)
+        return eng, m
+
+    def hits(served, prompt, salt) -> float:
+        eng, m = served
+        labels = {"model_name": "tiny", "method": "none"}
+        before = m.registry.get_sample_value("specserve_prefix_cache_hits_total", labels)
+        eng.generate([prompt], [greedy(2, cache_salt=salt)])
+        return m.registry.get_sample_value("specserve_prefix_cache_hits_total", labels) - before
+
+    victim, control = engine(), engine()
+    assert hits(victim, secret, "tenant-a") == 0
+    guesses = [prefix + [8, 8, 8, 8] + tail, secret, prefix + [9, 9, 9, 9] + tail, secret]
+    seen = [hits(victim, g, "tenant-b") for g in guesses]
+    assert seen == [hits(control, g, "tenant-b") for g in guesses]
+    assert seen[0] == 0 and seen[1] == seen[2] == 16  # B's own prefix blocks only, whatever the guess
+    assert hits(victim, secret, None) == 0  # nor do requests without a partition see A's blocks
+    assert hits(victim, secret, "tenant-a") == (len(secret) - 1) // 4 * 4  # A shares with itself

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from specserve.kv_blocks import BlockManager
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence, Status
@@ -86,3 +88,155 @@ def test_waiting_when_blocks_run_out_and_preemption_frees_everything():
     assert [i.seq.request_id for i in out.scheduled] == ["a"]
     s.remove(a)
     assert bm.num_free == 4
+
+
+# --------------------------------------------------------------------------- chunked-prefill fairness
+
+
+def _step(s: Scheduler, drafts: dict[str, list[int]] | None = None) -> dict[str, int]:
+    """One engine step in pure Python: run what was scheduled (every draft rejected), sample
+    a token where a chunk reached the end, drop finished sequences.  Returns
+    {request id: tokens run}."""
+    out = s.schedule()
+    assert sum(i.num_new_tokens + i.draft_room for i in out.scheduled) <= s.max_num_batched_tokens
+    ran = {}
+    for item in out.scheduled:
+        a = item.seq
+        s.commit(a, a.num_computed + item.num_new_tokens)
+        ran[a.request_id] = item.num_new_tokens
+        if item.sample:
+            a.token_ids.append(9)
+            a.draft_token_ids = list((drafts or {}).get(a.request_id, []))
+            if a.num_output_tokens >= a.params.max_tokens:
+                s.remove(a)
+                a.status = Status.FINISHED
+    return ran
+
+
+def _fair(threshold: int | None = None, budget: int = 64, max_num_seqs: int = 8, k: int = 0) -> Scheduler:
+    kw = {} if threshold is None else {"long_prefill_token_threshold": threshold}
+    return Scheduler(BlockManager(128, 16), max_num_seqs, budget, num_lookahead=k, max_model_len=2048, **kw)
+
+
+def test_a_short_request_starts_in_the_step_after_it_arrives_next_to_a_long_prefill():
+    s = _fair()  # budget 64, default threshold 16
+    long = seq("long", 640, max_tokens=1)
+    s.add(long)
+    assert _step(s) == {"long": 64}  # alone: the whole budget
+    short = seq("short", 2, max_tokens=2)
+    s.add(short)
+    ran = _step(s)
+    assert ran == {"long": 16, "short": 2}  # capped while someone waits; short samples its first token
+    assert short.num_output_tokens == 1
+    steps = 2
+    while long.status is not Status.FINISHED:
+        _step(s)
+        steps += 1
+    assert long.num_computed >= 640 and long.num_output_tokens == 1 and s.num_unfinished == 0  # it still completes
+    assert steps <= 640 // 64 + 2  # back to full chunks once nobody waits
+
+
+def test_decodes_are_never_starved_by_an_older_long_prefill():
+    s = _fair(k=3)
+    long = seq("long", 900, max_tokens=1)
+    s.add(long)
+    _step(s)
+    d = seq("d", 3, max_tokens=12)
+    s.add(d)
+    drafts = {"d": [1, 2, 3]}
+    _step(s, drafts)  # d is admitted next to the long prefill and samples its first token
+    steps = 0
+    while d.status is Status.RUNNING:
+        ran = _step(s, drafts)
+        steps += 1
+        assert ran.get("d") == 1, ran  # d decodes every step ...
+        assert ran["long"] == 64 - 4  # ... with its token and 3 drafts set aside before the prefill chunk
+    assert steps == 11 and d.num_output_tokens == 12
+    while s.num_unfinished:
+        _step(s)
+    assert long.num_output_tokens == 1 and s.blocks.num_free == s.blocks.num_blocks
+
+
+def test_many_decodes_and_two_long_prefills_share_the_budget():
+    s = _fair(budget=32, max_num_seqs=16)
+    a, b = seq("a", 300, max_tokens=1), seq("b", 300, max_tokens=1)
+    s.add(a)
+    s.add(b)
+    decoders = [seq(f"d{i}", 2, max_tokens=40) for i in range(6)]
+    for d in decoders:
+        s.add(d)
+    first = _step(s)
+    assert first == {"a": 8, "b": 8, **{d.request_id: 2 for d in decoders}}  # threshold 32 // 4 = 8
+    for _ in range(10):  # a has 300 - 8 - 10 * 26 = 32 tokens left after these
+        ran = _step(s)
+        assert all(ran[d.request_id] == 1 for d in decoders), ran
+        assert ran["a"] == 32 - 6 and "b" not in ran  # nobody waits: a's chunk takes what the decodes leave
+    while s.num_unfinished:
+        ran = _step(s)
+        assert all(ran.get(d.request_id) == 1 for d in decoders if d.status is Status.RUNNING), ran
+    assert a.num_output_tokens == b.num_output_tokens == 1 and s.blocks.num_free == s.blocks.num_blocks
+
+
+def test_no_cap_when_alone_when_no_slot_is_free_or_when_disabled():
+    s = _fair(max_num_seqs=1)
+    s.add(seq("long", 300, max_tokens=1))
+    s.add(seq("next", 2))
+    assert _step(s) == {"long": 64}  # "next" could not be admitted anyway
+    s = _fair(threshold=0)
+    s.add(seq("long", 300, max_tokens=1))
+    _step(s)
+    s.add(seq("short", 2))
+    assert _step(s) == {"long": 64}  # 0: no cap (the arrival waits, as without fairness)
+    s = _fair(threshold=40)
+    s.add(seq("long", 300, max_tokens=1))
+    s.add(seq("short", 2))
+    assert _step(s) == {"long": 40, "short": 2}
+
+
+def test_long_prefill_token_threshold_is_validated_and_defaults_to_a_quarter_of_the_budget():
+    from specserve.config import Config, validate_config
+    from specserve.errors import ConfigError
+
+    cfg = Config()
+    cfg.engine.long_prefill_token_threshold = -1
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert "engine.long_prefill_token_threshold" in str(err.value)
+    cfg.engine.long_prefill_token_threshold = 0
+    assert validate_config(cfg).engine.long_prefill_token_threshold == 0
+    assert _fair(budget=2048).long_prefill_token_threshold == 512
+
+
+def test_engine_greedy_output_is_unchanged_and_short_requests_finish_first(tiny_llama):
+    """The real engine on a tiny model: short requests arriving while a long prompt prefills
+    in chunks get their tokens within a few steps, and every output equals the request's
+    output when it runs alone (greedy)."""
+    from engine_utils import greedy, random_prompts, tiny_config
+
+    from specserve.engine.engine import LLMEngine
+
+    long_prompt = random_prompts(1, seed=5, lo=300, hi=301)[0]
+    shorts = random_prompts(3, seed=6, lo=2, hi=5)
+    alone = LLMEngine(tiny_config(tiny_llama, "ngram", k=3))
+    want = [o.token_ids for o in alone.generate([long_prompt, *shorts], [greedy(6)] + [greedy(4)] * 3)]
+
+    cfg = tiny_config(tiny_llama, "ngram", k=3)
+    cfg.engine.max_num_batched_tokens = 32
+    eng = LLMEngine(cfg)
+    eng.add_request("long", long_prompt, greedy(6))
+    got: dict[str, list[int]] = {}
+    finished_at: dict[str, int] = {}
+    for step in range(1, 200):
+        if step == 2:
+            for i, p in enumerate(shorts):
+                eng.add_request(f"s{i}", p, greedy(4))
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = out.token_ids
+                finished_at[out.request_id] = step
+        if not eng.has_unfinished():
+            break
+    assert [got["long"], got["s0"], got["s1"], got["s2"]] == want
+    assert all(finished_at[f"s{i}"] <= 2 + 4 for i in range(3)), finished_at  # prefill + 3 decode steps
+    assert finished_at["long"] > max(finished_at[f"s{i}"] for i in range(3))
+    assert eng.blocks.num_free == eng.blocks.num_blocks

@@ -362,6 +362,25 @@ def test_servicemonitor_only_with_its_api(render, chart, case, tp):
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
 
 
+def test_servicemonitor_scrapes_with_the_key_the_server_needs(render, chart):
+    """/metrics needs a key whenever the server has one: the ServiceMonitor sends the metrics
+    key's Secret when set, else the API key's; the pod reads the metrics key from the same Secret."""
+    api = (chart.servicemonitor_api,)
+    open_sm = one(render(api_versions=api), "ServiceMonitor")
+    assert "authorization" not in open_sm["spec"]["endpoints"][0]
+    keyed = one(render(("cpu-values.yaml",), api_versions=api), "ServiceMonitor")
+    assert keyed["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "specserve-api-key", "key": "api-key"}}  # fmt: skip
+    assert "SPECSERVE_METRICS_KEY" not in env_of(server(render(("cpu-values.yaml",)))[2])
+    sets = ("apiKey.metricsSecret.name=specserve-metrics-key",)
+    docs = render(("cpu-values.yaml",), sets=sets, api_versions=api)
+    want = {"name": "specserve-metrics-key", "key": "metrics-key"}
+    assert one(docs, "ServiceMonitor")["spec"]["endpoints"][0]["authorization"]["credentials"] == want
+    env = env_of(server(docs)[2])
+    assert env["SPECSERVE_METRICS_KEY"]["valueFrom"]["secretKeyRef"] == want
+    assert env["SPECSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "specserve-api-key"
+
+
 def test_keda_scaledobject_only_with_its_api(render, chart):
     with_api = render(("tp-values.yaml",), api_versions=(chart.keda_api,))
     so = one(with_api, "ScaledObject")
@@ -583,5 +602,7 @@ def test_install_notes_render(chart, tmp_path, case, apis):
     assert "1 + rate(specserve_spec_decode_num_accepted_tokens_total[5m])" in notes
     assert "helm test specserve" in notes
     assert ("no ServiceMonitor was created" in notes) == (not apis or "monitoring" not in apis[0])
+    scrape = next(line for line in notes.splitlines() if "curl" in line and "/metrics" in line)
+    assert ("Authorization: Bearer $API_KEY" in scrape) == (case == "cpu-values.yaml")  # its API key opens /metrics
     if case == "tp-values.yaml":
         assert ("HorizontalPodAutoscaler" in notes) == (not apis)

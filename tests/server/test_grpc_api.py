@@ -7,7 +7,7 @@ import pytest
 from fake_engine import FakeEngine, FakeTokenizer, expected_completion, expected_text
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from server_testutil import wait_for
+from server_testutil import hold_after_steps, wait_for
 
 from specserve.v1 import specserve_pb2 as pb
 
@@ -109,7 +109,8 @@ def test_health_per_service_and_reflection(served):
 
 
 def test_cancelled_stream_aborts_the_request(make_served):
-    engine = FakeEngine(step_delay_s=0.05)
+    engine = FakeEngine()
+    hold_after_steps(engine, 1)  # it cannot finish before the cancel
     s = make_served(engine)
     call = s.stub.GenerateStream(
         pb.GenerateRequest(request_id="gone", prompt="abc", sampling_params=pb.SamplingParams(max_tokens=60))
@@ -121,19 +122,21 @@ def test_cancelled_stream_aborts_the_request(make_served):
 
 
 def test_deadline_is_honoured_and_aborts(make_served):
-    engine = FakeEngine(step_delay_s=0.05)
+    engine = FakeEngine()
+    hold_after_steps(engine, 1)  # the request cannot finish: only the deadline ends it
     s = make_served(engine)
     with pytest.raises(grpc.RpcError) as err:
         s.stub.Generate(
             pb.GenerateRequest(request_id="late", prompt="abc", sampling_params=pb.SamplingParams(max_tokens=60)),
-            timeout=0.3,
+            timeout=2.0,  # only for the request to reach the engine; the hold makes it late
         )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_for(lambda: "late" in engine.aborted)
 
 
 def test_duplicate_in_flight_request_id_is_refused(make_served):
-    engine = FakeEngine(step_delay_s=0.05)
+    engine = FakeEngine()
+    hold_after_steps(engine, 1)  # still in flight when the duplicate arrives
     s = make_served(engine)
     call = s.stub.GenerateStream(
         pb.GenerateRequest(request_id="dup", prompt="abc", sampling_params=pb.SamplingParams(max_tokens=30))

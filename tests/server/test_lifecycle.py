@@ -18,7 +18,7 @@ import openai
 import pytest
 from fake_engine import FakeEngine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_testutil import http_call, wait_for
+from server_testutil import hold_after_steps, http_call, wait_for
 
 from specserve.v1 import specserve_pb2 as pb
 from specserve.v1 import specserve_pb2_grpc
@@ -102,7 +102,8 @@ def test_api_key(make_served, monkeypatch, via_env):
     assert status == 401 and body["error"]["type"] == "authentication_error"
     assert s.openai(api_key="sekret").completions.create(model="fake-model", prompt="hi", max_tokens=2).choices
     assert http_call(s.http + "/health")[0] == 200
-    assert http_call(s.http + "/metrics")[0] == 200
+    assert http_call(s.http + "/metrics")[0] == 401  # metrics need the key too
+    assert http_call(s.http + "/metrics", headers={"Authorization": "Bearer sekret"})[0] == 200
 
 
 def test_engine_failure_turns_health_not_serving_and_fails_requests(make_served):
@@ -127,20 +128,22 @@ def test_engine_failure_turns_health_not_serving_and_fails_requests(make_served)
 
 
 def test_a_silently_dead_engine_does_not_hang_clients(make_served):
-    engine = FakeEngine(step_delay_s=0.02)
+    engine = FakeEngine()
+    hold_after_steps(engine, 1)  # mid-stream until the failure, however slow the machine
     s = make_served(engine)
     s.handle.servers.engine_dead_grace_s = 0.3
     thread, out = _stream_in_background(s, "hung", 40)
     assert wait_for(lambda: len(out) >= 1)
     engine.fail("wedged", silent=True)
-    thread.join(5)
+    thread.join(30)
     assert not thread.is_alive()
     assert isinstance(out[-1], grpc.RpcError) and out[-1].code() == grpc.StatusCode.INTERNAL
     assert "hung" in engine.aborted  # the abandoned generator was closed
 
 
 def test_engine_failure_mid_sse_ends_the_stream_with_an_error_event(make_served):
-    engine = FakeEngine(step_delay_s=0.02)
+    engine = FakeEngine()
+    hold_after_steps(engine, 1)  # the stream cannot finish before the failure
     s = make_served(engine)
     conn = http.client.HTTPConnection("127.0.0.1", s.handle.http_port, timeout=5)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 60, "stream": True}),
@@ -155,11 +158,12 @@ def test_engine_failure_mid_sse_ends_the_stream_with_an_error_event(make_served)
 
 
 def test_drain_finishes_in_flight_and_refuses_new_work(make_served):
-    engine = FakeEngine(step_delay_s=0.03)
+    engine = FakeEngine()
+    hold_after_steps(engine, 1)  # in flight until the refusals below were checked
     s = make_served(engine)
     thread, out = _stream_in_background(s, "slow", 40)
     assert wait_for(lambda: len(out) >= 1)
-    drained = s.handle.begin_drain(timeout_s=10)
+    drained = s.handle.begin_drain(timeout_s=60)
 
     assert wait_for(lambda: grpc_health(s) == NOT_SERVING)
     assert http_call(s.http + "/health") == (503, {"status": "draining"})
@@ -168,9 +172,11 @@ def test_drain_finishes_in_flight_and_refuses_new_work(make_served):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     status, body = http_call(s.http + "/v1/completions", {"prompt": "hi"})
     assert status == 503 and body["error"]["code"] == "server_draining"
+    assert engine.num_running == 1
 
-    thread.join(10)
-    drained.result(10)
+    engine.hold.set()  # now it may finish
+    thread.join(30)
+    drained.result(30)
     assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert "".join(m.text for m in out) and sum(len(m.token_ids) for m in out) == 40
 
@@ -182,9 +188,25 @@ def test_drain_timeout_aborts_what_is_left(make_served):
     thread, out = _stream_in_background(s, "stuck", 40)
     assert wait_for(lambda: engine.num_running == 1)
     s.handle.drain(timeout_s=0.2)
-    thread.join(5)
+    thread.join(30)
     assert out[-1].finish_reason == pb.FINISH_REASON_ABORT
     assert "stuck" in engine.aborted and engine.shut_down
+
+
+def test_abort_inflight_cuts_a_drain_short_and_every_client_gets_its_end(make_served):
+    engine = FakeEngine()
+    engine.hold.clear()  # never finishes on its own
+    s = make_served(engine, drain_timeout_s=600)
+    thread, out = _stream_in_background(s, "held", 40)
+    assert wait_for(lambda: engine.num_running == 1)
+    drained = s.handle.begin_drain()
+    assert wait_for(lambda: grpc_health(s) == NOT_SERVING)
+    assert not drained.done() and engine.num_running == 1  # the drain waits (600 s) ...
+    s.handle.abort_inflight()  # ... until told to abort
+    drained.result(30)
+    thread.join(30)
+    assert out[-1].finish_reason == pb.FINISH_REASON_ABORT  # a final message, not a cut stream
+    assert engine.finished == {"held": "abort"}
 
 
 SERVE_SCRIPT = textwrap.dedent(
@@ -196,7 +218,7 @@ SERVE_SCRIPT = textwrap.dedent(
     from specserve.server import run_server
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     engine = FakeEngine(step_delay_s=0.03)
-    cfg = ServerConfig(host="127.0.0.1", grpc_port=0, http_port=0, drain_timeout_s=10)
+    cfg = ServerConfig(host="127.0.0.1", grpc_port=0, http_port=0, drain_timeout_s=600)
     code = run_server(cfg, engine)
     print("EXIT", code, "shutdown", engine.shut_down, "finished", sorted(engine.finished.items()), flush=True)
     sys.exit(code)
@@ -224,10 +246,182 @@ def test_sigterm_drains_and_run_server_returns_0(tmp_path):
         rest = list(call)
         assert (rest or [first])[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert sum(len(m.token_ids) for m in [first, *rest]) == 30
-        out, err = proc.communicate(timeout=20)
+        out, err = proc.communicate(timeout=120)  # a safety net: it exits once the stream is done
         channel.close()
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
     assert "EXIT 0 shutdown True" in out and "('inflight', 'length')" in out
+
+
+# --------------------------------------------------------------------------- a second signal, real process
+
+# Runs the `specserve` CLI with one test hook: while the file $SPECSERVE_TEST_GATE exists the
+# engine takes no step until it holds as many requests as the file says, runs ONE step with
+# all of them (each gets its first token), then holds its next step (touching <gate>.held)
+# until the file is removed.  So requests are in flight, mid-generation, for as long as the
+# test wants, whatever the machine's speed.
+GATED_CLI = textwrap.dedent(
+    """
+    import os, sys, time
+    from specserve.engine.engine import LLMEngine
+
+    gate, real_step = os.environ["SPECSERVE_TEST_GATE"], LLMEngine.step
+
+    def gated_step(self):
+        if not os.path.exists(gate):
+            return real_step(self)
+        if not getattr(self, "gate_ran", False):
+            if len(self.requests) < int(open(gate).read()):
+                time.sleep(0.01)  # let the engine thread admit the rest first
+                return []
+            self.gate_ran = True
+            return real_step(self)
+        open(gate + ".held", "w").close()
+        while os.path.exists(gate):
+            time.sleep(0.01)
+        return real_step(self)
+
+    LLMEngine.step = gated_step
+    from specserve.cli import main
+    main()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> Path:
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("lifecycle") / "llama", "llama", max_position_embeddings=1024)
+
+
+class _Clients:
+    """One request of each kind (HTTP streamed / not, gRPC streamed / not), each in a thread."""
+
+    BODY = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 800, "temperature": 0, "ignore_eos": True}
+
+    def __init__(self, http_port: int, grpc_port: int):
+        self.http_port = http_port
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        self.stub = specserve_pb2_grpc.SpecServeStub(self.channel)
+        self.results: dict[str, object] = {}
+        self.first = {"http_stream": threading.Event(), "grpc_stream": threading.Event()}
+        self.threads = [threading.Thread(target=getattr(self, name), daemon=True)
+                        for name in ("http_stream", "http_plain", "grpc_stream", "grpc_plain")]  # fmt: skip
+        for t in self.threads:
+            t.start()
+
+    def _post(self, stream: bool) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**self.BODY, "stream": stream}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        return conn.getresponse()
+
+    def http_stream(self) -> None:
+        resp = self._post(stream=True)
+        events = []
+        for line in resp:
+            if line.strip():
+                events.append(line.decode().strip())
+                self.first["http_stream"].set()
+        self.results["http_stream"] = (resp.status, events)
+
+    def http_plain(self) -> None:
+        resp = self._post(stream=False)
+        self.results["http_plain"] = (resp.status, json.loads(resp.read()))
+
+    def _grpc_req(self) -> pb.GenerateRequest:
+        params = pb.SamplingParams(max_tokens=800, temperature=0, ignore_eos=True)
+        return pb.GenerateRequest(prompt="w1 w2 w3", sampling_params=params, model="tiny")
+
+    def grpc_stream(self) -> None:
+        got: list = []
+        try:
+            for m in self.stub.GenerateStream(self._grpc_req(), timeout=120):
+                got.append(m)
+                self.first["grpc_stream"].set()
+        except grpc.RpcError as exc:
+            got.append(exc)
+        self.results["grpc_stream"] = got
+
+    def grpc_plain(self) -> None:
+        try:
+            self.results["grpc_plain"] = self.stub.Generate(self._grpc_req(), timeout=120)
+        except grpc.RpcError as exc:
+            self.results["grpc_plain"] = exc
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(120)
+        self.channel.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("second", ["SIGTERM", "SIGINT"])
+def test_second_signal_aborts_in_flight_requests_with_well_formed_ends_and_exits(long_model, tmp_path, second):
+    gate = tmp_path / "gate"
+    gate.write_text("4")  # hold the engine until the four requests below are in it
+    argv = [sys.executable, "-c", GATED_CLI, f"model.path={long_model}", "model.name=tiny", "model.dtype=float32",
+            "server.host=127.0.0.1", "server.grpc_port=0", "server.http_port=0", "engine.num_kv_blocks=2048",
+            "engine.block_size=4", "engine.num_threads=1", "server.max_tokens_cap=1000",
+            "server.drain_timeout_s=600"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPECSERVE_TEST_GATE": str(gate), "SPECSERVE_API_KEY": ""}
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    ports: list[int] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            m = re.search(r"gRPC on [\d.]+:(\d+).*HTTP on http://[\d.]+:(\d+)", line)
+            if m:
+                ports.extend(int(g) for g in m.groups())
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(120) and ports, "".join(lines[-30:])
+        clients = _Clients(http_port=ports[1], grpc_port=ports[0])
+        # The engine ran one step with all four requests, delivered it, and now holds.
+        assert wait_for(lambda: (tmp_path / "gate.held").exists(), 60), "".join(lines[-30:])
+        assert all(e.wait(60) for e in clients.first.values()), "the streams never got their first token"
+        proc.send_signal(signal.SIGTERM)
+        # Draining (health 503) cannot finish: the engine is held and drain_timeout_s is 600 s.
+        assert wait_for(lambda: http_call(f"http://127.0.0.1:{ports[1]}/health")[0] == 503, 60)
+        proc.send_signal(getattr(signal, second))
+        assert wait_for(lambda: any("second signal" in line for line in lines), 60), "".join(lines[-30:])
+        gate.unlink()  # the engine resumes: the aborts are applied after its held step
+        clients.join()
+        proc.wait(120)  # well before the 600 s drain timeout
+        reader.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines)
+
+    status, events = clients.results["http_stream"]
+    assert status == 200 and events[-1] == "data: [DONE]", events[-3:]
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort", chunks[-1]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert "".join(c["choices"][0]["text"] for c in chunks)  # the tokens generated before the abort
+
+    status, body = clients.results["http_plain"]
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] == "abort" and body["choices"][0]["text"], body
+    assert 0 < body["usage"]["completion_tokens"] < 800
+
+    msgs = clients.results["grpc_stream"]
+    assert not isinstance(msgs[-1], grpc.RpcError), msgs[-1]
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert 0 < sum(len(m.token_ids) for m in msgs) < 800
+
+    plain = clients.results["grpc_plain"]
+    assert not isinstance(plain, grpc.RpcError), plain
+    assert plain.finish_reason == pb.FINISH_REASON_ABORT and 0 < len(plain.token_ids) < 800
+    assert proc.returncode == 0 and "servers stopped" in log, log[-3000:]

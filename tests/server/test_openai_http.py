@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 from fake_engine import FakeEngine, FakeTokenizer, expected_text
-from server_testutil import http_call, scrape, total, wait_for
+from server_testutil import hold_after_steps, http_call, scrape, total, wait_for
 
 from specserve.v1 import specserve_pb2 as pb
 
@@ -64,7 +64,7 @@ def test_chat_completions_plain_and_stream(served, engine):
 
 
 def test_sse_wire_format_ends_with_done(served):
-    conn = http.client.HTTPConnection("127.0.0.1", served.handle.http_port, timeout=5)
+    conn = http.client.HTTPConnection("127.0.0.1", served.handle.http_port, timeout=30)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 5, "stream": True}),
                  {"Content-Type": "application/json"})  # fmt: skip
     resp = conn.getresponse()
@@ -114,9 +114,10 @@ def test_metrics_agree_with_the_per_request_spec_stats(served):
 
 
 def test_client_disconnect_during_sse_aborts(make_served):
-    engine = FakeEngine(step_delay_s=0.05)
+    engine = FakeEngine()
+    hold_after_steps(engine, 1)  # the first chunk arrives, then the stream cannot finish before the disconnect
     s = make_served(engine)
-    conn = http.client.HTTPConnection("127.0.0.1", s.handle.http_port, timeout=5)
+    conn = http.client.HTTPConnection("127.0.0.1", s.handle.http_port, timeout=30)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "bye", "max_tokens": 60, "stream": True}),
                  {"Content-Type": "application/json"})  # fmt: skip
     resp = conn.getresponse()
@@ -130,12 +131,13 @@ def test_client_disconnect_during_sse_aborts(make_served):
 
 
 def test_client_disconnect_while_waiting_for_a_plain_answer_aborts(make_served):
-    engine = FakeEngine(step_delay_s=0.05)
+    engine = FakeEngine()
+    hold_after_steps(engine, 1)  # mid-generation, so no answer can be sent before the disconnect
     s = make_served(engine)
-    conn = http.client.HTTPConnection("127.0.0.1", s.handle.http_port, timeout=5)
+    conn = http.client.HTTPConnection("127.0.0.1", s.handle.http_port, timeout=30)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "bye", "max_tokens": 60}),
                  {"Content-Type": "application/json"})  # fmt: skip
-    assert wait_for(lambda: engine.num_running == 1)
+    assert wait_for(lambda: engine.num_running == 1 and not engine.hold.is_set())  # its first step ran
     [request_id] = list(engine.requests)
     conn.sock.close()
     conn.close()

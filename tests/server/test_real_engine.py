@@ -14,7 +14,6 @@ ephemeral ports.
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import openai
@@ -107,7 +106,51 @@ def grpc_request(prompt: str | None = None, ids: list[int] | None = None, messag
     return pb.GenerateRequest(prompt=prompt, sampling_params=sp, model=MODEL)
 
 
-def wait_kv_free(s: RealServed, timeout_s: float = 3.0) -> None:
+class StepGate:
+    """Holds the engine thread before a step: ``hold_after(n)`` lets ``n`` more steps with
+    requests run (their outputs reach the clients), then the next waits until ``release()``.
+    Requests stay in flight, or a deadline passes, exactly when the test says so."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, llm: LLMEngine):
+        self._llm = llm
+        self._steps_left: int | None = None  # None: not holding
+        self._open = threading.Event()
+        self._open.set()
+        self.holding = threading.Event()  # the engine thread waits at the gate
+        real_step = llm.step
+
+        def step():
+            if self._steps_left is not None and llm.has_unfinished():
+                if self._steps_left == 0:
+                    self._open.clear()
+                    self.holding.set()
+                    self._open.wait()
+                    self.holding.clear()
+                else:
+                    self._steps_left -= 1
+            return real_step()
+
+        monkeypatch.setattr(llm, "step", step)
+
+    def hold_after(self, steps: int) -> None:
+        self._steps_left = steps
+
+    def release(self) -> None:
+        self._steps_left = None
+        self._open.set()
+
+    def wait_holding(self) -> None:
+        assert self.holding.wait(30), "the engine never reached the gate"
+
+
+@pytest.fixture
+def gate(served, monkeypatch):
+    g = StepGate(monkeypatch, served.llm)
+    yield g
+    g.release()  # never leave the module's engine stuck
+
+
+def wait_kv_free(s: RealServed, timeout_s: float = 30.0) -> None:
     assert wait_for(s.kv_free, timeout_s), (
         f"KV not freed: {s.llm.blocks.num_free}/{s.llm.blocks.num_blocks} blocks free, "
         f"{len(s.llm.requests)} engine requests, {s.engine.num_in_flight} streams"
@@ -259,46 +302,65 @@ def _aborts(s: RealServed) -> float:
     return total(scrape(s.http), "specserve_request_success_total", finished_reason="abort")
 
 
-def test_http_stream_closed_by_the_client_frees_kv(served, offline):
+def _release_once_the_stream_is_gone(served, gate: StepGate) -> None:
+    """The handler closed its engine stream (so the abort is queued) while the engine is
+    held: the request cannot have run to completion.  Then let the engine go on."""
+    assert wait_for(lambda: served.engine.num_in_flight == 0, 30), "the server never closed the stream"
+    gate.release()
+
+
+def test_http_stream_closed_by_the_client_frees_kv(served, offline, gate):
     wait_kv_free(served)
     aborts = _aborts(served)
     tok = served.engine.tokenizer
     ref = offline(tok.encode(PROMPTS[1]), LONG, ignore_eos=True)
+    gate.hold_after(2)  # two steps' chunks reach the client, then the engine waits
     stream = served.client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=LONG, temperature=0,
                                               stream=True, extra_body={"ignore_eos": True})  # fmt: skip
     it = iter(stream)
     text = next(it).choices[0].text + next(it).choices[0].text
     assert ref.text.startswith(text)
+    gate.wait_holding()
     assert served.llm.blocks.num_free < served.llm.blocks.num_blocks  # it holds KV now
     stream.close()
+    _release_once_the_stream_is_gone(served, gate)
     wait_kv_free(served)
     assert _aborts(served) == aborts + 1  # aborted, not run to completion
 
 
-def test_grpc_stream_cancelled_by_the_client_frees_kv(served, offline):
+def test_grpc_stream_cancelled_by_the_client_frees_kv(served, offline, gate):
     wait_kv_free(served)
     aborts = _aborts(served)
     ids = served.engine.tokenizer.encode(PROMPTS[2])
     ref = offline(ids, LONG, ignore_eos=True)
+    gate.hold_after(2)
     call = served.stub.GenerateStream(grpc_request(PROMPTS[2], max_tokens=LONG, ignore_eos=True))
     got = list(next(call).token_ids) + list(next(call).token_ids)
     assert ref.token_ids[: len(got)] == got
+    gate.wait_holding()
     call.cancel()
+    _release_once_the_stream_is_gone(served, gate)
     wait_kv_free(served)
     assert _aborts(served) == aborts + 1
 
 
 @pytest.mark.parametrize("rpc", ["Generate", "GenerateStream"])
-def test_grpc_deadline_is_deadline_exceeded_and_frees_kv(served, rpc):
+def test_grpc_deadline_is_deadline_exceeded_and_frees_kv(served, rpc, gate):
     wait_kv_free(served)
     aborts = _aborts(served)
     req = grpc_request(PROMPTS[0], max_tokens=LONG, ignore_eos=True)
+    # The prefill step runs, then the engine is held: the request holds KV and cannot finish,
+    # so the deadline passes whatever the machine's speed (2 s: time to reach the engine).
+    gate.hold_after(1)
     with pytest.raises(grpc.RpcError) as err:
         if rpc == "Generate":
-            served.stub.Generate(req, timeout=0.3)
+            served.stub.Generate(req, timeout=2.0)
         else:
-            list(served.stub.GenerateStream(req, timeout=0.3))
+            list(served.stub.GenerateStream(req, timeout=2.0))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    gate.wait_holding()
+    assert served.llm.blocks.num_free < served.llm.blocks.num_blocks  # held KV when the deadline passed
+    _release_once_the_stream_is_gone(served, gate)
     wait_kv_free(served)
     assert _aborts(served) == aborts + 1
 
@@ -351,9 +413,11 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_keeps_serving(serv
 # --------------------------------------------------------------------------- 5. drain with requests in flight
 
 
-def test_drain_lets_in_flight_streams_finish_and_refuses_new_work(tiny_llama, offline):
+def test_drain_lets_in_flight_streams_finish_and_refuses_new_work(tiny_llama, offline, monkeypatch):
     drain_tokens = 250
     s = RealServed(engine_config(tiny_llama, num_blocks=256))
+    gate = StepGate(monkeypatch, s.llm)
+    gate.hold_after(0)  # the streams are accepted but make no progress until the checks are done
     try:
         tok = s.engine.tokenizer
         prompts = PROMPTS[:3]
@@ -392,11 +456,11 @@ def test_drain_lets_in_flight_streams_finish_and_refuses_new_work(tiny_llama, of
                    for i, f in enumerate((grpc_stream, grpc_stream, http_stream))]  # fmt: skip
         for t in threads:
             t.start()
-        assert all(e.wait(20) for e in first), "the streams never started"
-        assert s.engine.num_in_flight == 3
+        assert wait_for(lambda: s.engine.num_in_flight == 3, 30), "the streams never reached the engine"
+        gate.wait_holding()
 
-        drained = s.handle.begin_drain(30.0)
-        assert wait_for(lambda: s.handle.servers.health.draining, 2)
+        drained = s.handle.begin_drain(60.0)
+        assert wait_for(lambda: s.handle.servers.health.draining, 30)
         # New work is refused while the three streams are still running.
         with pytest.raises(grpc.RpcError) as err:
             s.stub.Generate(grpc_request(PROMPTS[3]))
@@ -406,11 +470,13 @@ def test_drain_lets_in_flight_streams_finish_and_refuses_new_work(tiny_llama, of
         assert herr.value.status_code == 503 and herr.value.body["code"] == "server_draining"
         assert herr.value.response.headers.get("connection") == "close"  # no reuse of a closing listener
         assert http_call(f"{s.http}/health")[0] == 503
-        assert s.engine.num_in_flight == 3, "the streams finished before new work was tried: make them longer"
+        assert s.engine.num_in_flight == 3  # held: none can have finished
 
-        drained.result(60)
+        gate.release()
+        drained.result(120)
         for t in threads:
-            t.join(10)
+            t.join(30)
+        assert all(e.is_set() for e in first)
         for i, r in enumerate(results):
             assert "error" not in r, r
             assert r["finish"] == "length", r  # completed, not aborted: the drain timeout was generous
@@ -420,6 +486,7 @@ def test_drain_lets_in_flight_streams_finish_and_refuses_new_work(tiny_llama, of
         assert results[2]["text"] == offline(tok.encode(prompts[2]), drain_tokens, ignore_eos=True).text
         assert s.llm.blocks.num_free == s.llm.blocks.num_blocks and not s.llm.requests
     finally:
+        gate.release()
         s.close()
 
 
@@ -439,15 +506,18 @@ def test_loadgen_across_a_drain_loses_no_accepted_request(tiny_llama, offline, t
         (tmp_path / "ref.json").write_text(json.dumps(reference))
         out = tmp_path / "report.json"
         argv = ["--grpc-target", f"127.0.0.1:{s.handle.grpc_port}", "--http-url", s.http, "--clients", "6",
-                "--duration-s", "6", "--cancel-fraction", "0.1", "--bad-fraction", "0.1", "--max-tokens",
+                "--duration-s", "120", "--cancel-fraction", "0.1", "--bad-fraction", "0.1", "--max-tokens",
                 str(max_tokens), "--prompts-file", str(tmp_path / "prompts.txt"), "--reference",
                 str(tmp_path / "ref.json"), "--expect-shutdown", "--output", str(out)]  # fmt: skip
         rc: list[int] = []
         t = threading.Thread(target=lambda: rc.append(loadgen.main(argv)), daemon=True)
         t.start()
-        time.sleep(1.5)
+        # Drain once requests have been answered (not after a fixed time); the clients stop
+        # as soon as the server is unreachable, long before --duration-s.
+        assert wait_for(lambda: total(scrape(s.http), "specserve_request_success_total") >= 6, 60)
         s.handle.drain(30.0)  # as SIGTERM: refuse new work, finish in-flight, stop the listeners
-        t.join(30)
+        t.join(60)
+        assert not t.is_alive(), "the load generator did not stop once the server was gone"
         report = json.loads(out.read_text())
         assert report["lost"]["count"] == 0, report["lost"]
         assert report["errors"]["unexpected"] == {}, report["errors"]

@@ -136,6 +136,13 @@ spec:
               name: {{ . }}
               key: {{ $root.Values.apiKey.secret.key }}
         {{- end }}
+        {{- with .Values.apiKey.metricsSecret.name }}
+        - name: SPECSERVE_METRICS_KEY
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $root.Values.apiKey.metricsSecret.key }}
+        {{- end }}
         {{- with .Values.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
