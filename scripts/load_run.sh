@@ -4,15 +4,20 @@
 # Phase 1: offline greedy references for specserve-loadgen's prompts (same
 # config, dtype and max_tokens as the server, same prompt token ids, one
 # request at a time); a server on free loopback ports; 32 clients for 60 s,
-# 10% cancelling, 5% bad input, every completed answer compared with its
-# reference; /metrics scraped at the end (KV usage must be 0).
+# 10% cancelling, 5% bad input (malformed and out-of-range fields, a gzip label
+# on a plain body, an 8 KB model name, a 1 MB request id of control characters,
+# bytes that are not protobuf, a grammar over the size budget), 5% hostile but
+# valid requests that must complete (a U+FFFD stream forced by logit_bias,
+# control tokens in chat content, json_schema with n=2, seeded sampling), every
+# completed answer compared with its reference; /metrics scraped at the end
+# (KV usage must be 0).
 # Phase 2: a fresh server under 16 clients for 30 s, SIGTERM mid-way: the
 # server must exit 0 within drain timeout + margin and no accepted request
 # may end without a finish_reason (loadgen --expect-shutdown).
 #
 # Usage: bash scripts/load_run.sh            (bf16, the default dtype)
 #        DTYPE=float32 bash scripts/load_run.sh
-# Knobs (env): DTYPE CLIENTS DURATION_S CANCEL_FRACTION BAD_FRACTION MAX_TOKENS
+# Knobs (env): DTYPE CLIENTS DURATION_S CANCEL_FRACTION BAD_FRACTION HOSTILE_FRACTION MAX_TOKENS
 #              SIG_CLIENTS SIG_DURATION_S SIGTERM_AFTER_S DRAIN_TIMEOUT_S OUT
 # Outputs under $OUT (default results/): load-ngram[-DTYPE].json, load-sigterm[-DTYPE].json,
 # load-metrics[-DTYPE].json, load-reference[-DTYPE].json (+ -ids.json), server logs.
@@ -26,6 +31,7 @@ CLIENTS=${CLIENTS:-32}
 DURATION_S=${DURATION_S:-60}
 CANCEL_FRACTION=${CANCEL_FRACTION:-0.1}
 BAD_FRACTION=${BAD_FRACTION:-0.05}
+HOSTILE_FRACTION=${HOSTILE_FRACTION:-0.05}
 MAX_TOKENS=${MAX_TOKENS:-32}
 SIG_CLIENTS=${SIG_CLIENTS:-16}
 SIG_DURATION_S=${SIG_DURATION_S:-30}
@@ -77,7 +83,8 @@ start_server "$GRPC1" "$HTTP1" "$OUT/load-server$SUFFIX.log"
 log "load: $CLIENTS clients, ${DURATION_S}s, cancel $CANCEL_FRACTION, bad $BAD_FRACTION, max_tokens $MAX_TOKENS"
 .venv/bin/specserve-loadgen --grpc-target "127.0.0.1:$GRPC1" --http-url "http://127.0.0.1:$HTTP1" \
     --clients "$CLIENTS" --duration-s "$DURATION_S" --cancel-fraction "$CANCEL_FRACTION" \
-    --bad-fraction "$BAD_FRACTION" --max-tokens "$MAX_TOKENS" --temperature 0 --reference "$REF" \
+    --bad-fraction "$BAD_FRACTION" --hostile-fraction "$HOSTILE_FRACTION" --bad-grammar \
+    --max-tokens "$MAX_TOKENS" --temperature 0 --reference "$REF" \
     --output "$OUT/load-ngram$SUFFIX.json" >/dev/null
 LOAD_RC=$?
 log "loadgen exit code $LOAD_RC"
@@ -103,7 +110,8 @@ start_server "$GRPC2" "$HTTP2" "$OUT/load-server-sigterm$SUFFIX.log"
 log "load: $SIG_CLIENTS clients, ${SIG_DURATION_S}s; SIGTERM after ${SIGTERM_AFTER_S}s"
 .venv/bin/specserve-loadgen --grpc-target "127.0.0.1:$GRPC2" --http-url "http://127.0.0.1:$HTTP2" \
     --clients "$SIG_CLIENTS" --duration-s "$SIG_DURATION_S" --cancel-fraction "$CANCEL_FRACTION" \
-    --bad-fraction "$BAD_FRACTION" --max-tokens "$MAX_TOKENS" --temperature 0 --reference "$REF" \
+    --bad-fraction "$BAD_FRACTION" --hostile-fraction "$HOSTILE_FRACTION" --bad-grammar \
+    --max-tokens "$MAX_TOKENS" --temperature 0 --reference "$REF" \
     --expect-shutdown --output "$OUT/load-sigterm-loadgen$SUFFIX.json" >/dev/null &
 LG_PID=$!
 sleep "$SIGTERM_AFTER_S"

@@ -1,25 +1,75 @@
-"""specserve-loadgen against a live fake-engine server: a short mixed run, and the loopback guard."""
+"""specserve-loadgen against a live fake-engine server: a short mixed run, and the loopback guard.
+
+The runs are made independent of the machine's speed: each client makes a fixed number of
+requests (``fixed_load``; its seeded choices then fix the mix), and a request the client
+will cancel is held mid-stream until the cancel arrives."""
 
 from __future__ import annotations
 
+import contextvars
 import json
+import time
 
 import pytest
 from fake_engine import FakeEngine, FakeTokenizer, expected_text
+from server_testutil import wait_for
 
 from specserve import loadgen
 
+TOK = FakeTokenizer()
+CANCEL_TAG = "cancel me: "  # prefixed to the prompts of the requests a client will cancel
+_made = contextvars.ContextVar("requests_made_by_this_client", default=0)
 
-def test_short_mixed_run_reports_no_unexpected_errors(make_served, tmp_path):
+
+class _Clock:
+    """loadgen's ``time``: the real one, except that a client's deadline has passed once it
+    has made ``per_client`` requests.  Each client is an asyncio task with its own context,
+    and its count rises only after a request is done, so no request's timings are skewed."""
+
+    def __init__(self, per_client: int):
+        self.per_client = per_client
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + (1e9 if _made.get() >= self.per_client else 0.0)
+
+
+@pytest.fixture
+def fixed_load(monkeypatch):
+    """Each loadgen client makes exactly ``fixed_load.per_client`` requests (``--duration-s`` is
+    only a safety net), and the prompts of those it cancels start with CANCEL_TAG."""
+    clock = _Clock(per_client=20)
+    monkeypatch.setattr(loadgen, "time", clock)
+    for cls in (loadgen.GrpcClient, loadgen.HttpClient):
+
+        async def run(self, prompt, mode, rng, n, _real=cls.run):
+            try:
+                return await _real(self, CANCEL_TAG + prompt if mode == "cancel" else prompt, mode, rng, n)
+            finally:
+                _made.set(_made.get() + 1)
+
+        monkeypatch.setattr(cls, "run", run)
+    return clock
+
+
+def hold_until_cancelled(prompt_ids: list[int], step: int) -> bool:
+    """A FakeEngine stall: a request to be cancelled stops after 3 steps (the client cancels after
+    1 to 3 chunks), so it is still running when the cancel arrives."""
+    return step >= 3 and TOK.decode(prompt_ids).startswith(CANCEL_TAG)
+
+
+def test_short_mixed_run_reports_no_unexpected_errors(make_served, tmp_path, fixed_load):
     engine = FakeEngine(step_delay_s=0.003)
+    engine.stall = hold_until_cancelled
     s = make_served(engine)
-    tok = FakeTokenizer()
-    reference = {p: expected_text(tok.encode(p), 12) for p in loadgen.BUILTIN_PROMPTS}
+    reference = {p: expected_text(TOK.encode(p), 12) for p in loadgen.BUILTIN_PROMPTS}
     (tmp_path / "ref.json").write_text(json.dumps(reference))
     out = tmp_path / "report.json"
     rc = loadgen.main([
         "--grpc-target", f"127.0.0.1:{s.handle.grpc_port}", "--http-url", f"http://localhost:{s.handle.http_port}",
-        "--clients", "4", "--duration-s", "1.5", "--cancel-fraction", "0.2", "--bad-fraction", "0.2",
+        "--clients", "4", "--duration-s", "120", "--cancel-fraction", "0.2", "--bad-fraction", "0.2",
         "--max-tokens", "12", "--reference", str(tmp_path / "ref.json"), "--output", str(out),
     ])  # fmt: skip
     report = json.loads(out.read_text())
@@ -27,8 +77,10 @@ def test_short_mixed_run_reports_no_unexpected_errors(make_served, tmp_path):
     assert report["errors"]["unexpected"] == {}
     assert set(report["requests"]["by_protocol"]) == {"grpc", "http"}
     assert report["requests"]["ok"] > 0 and report["mismatches"]["checked"] > 0 and report["mismatches"]["count"] == 0
-    # A cancel can race the last step, so the engine may see a few less aborts than cancels.
-    assert report["requests"]["cancelled"] > 0 and 0 < len(engine.aborted) <= report["requests"]["cancelled"]
+    assert report["requests"]["total"] == 4 * fixed_load.per_client
+    # Every cancel reaches the engine as an abort (the request was held until it came).
+    cancelled = report["requests"]["cancelled"]
+    assert cancelled > 0 and wait_for(lambda: len(engine.aborted) == cancelled), (engine.aborted, cancelled)
     expected = report["errors"]["expected"]
     assert expected.get("grpc:invalid_argument", 0) + expected.get("http:invalid_argument", 0) > 0
     assert report["ttft_s"]["p50"] is not None and report["itl_s"]["p99"] is not None
@@ -36,10 +88,28 @@ def test_short_mixed_run_reports_no_unexpected_errors(make_served, tmp_path):
     assert report["after_run"] == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
 
 
-def test_a_wrong_reference_is_a_mismatch(make_served, tmp_path):
+def test_hostile_requests_complete_and_new_bad_inputs_are_refused(make_served, tmp_path):
+    """Valid but adversarial requests (a forced-token stream, control tokens in chat content,
+    json_schema with n=2, seeded sampling) complete; the bad inputs (gzip label on a plain
+    body, an 8 KB model name, a 1 MB request id, bytes that are not protobuf) are refused."""
+    s = make_served(FakeEngine(step_delay_s=0.001))
+    out = tmp_path / "r.json"
+    rc = loadgen.main([
+        "--grpc-target", f"127.0.0.1:{s.handle.grpc_port}", "--http-url", f"http://localhost:{s.handle.http_port}",
+        "--clients", "2", "--duration-s", "1", "--cancel-fraction", "0", "--bad-fraction", "0.5",
+        "--hostile-fraction", "0.5", "--hostile-token-id", "7", "--max-tokens", "6", "--output", str(out),
+    ])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert rc == 0, report["errors"]
+    assert report["lost"]["count"] == 0 and report["requests"]["ok"] > 0
+    assert set(report["finish_reasons"]) <= {"stop", "length", "None"}  # None: refused bad input
+
+
+def test_a_wrong_reference_is_a_mismatch(make_served, tmp_path, fixed_load):
+    fixed_load.per_client = 2
     s = make_served(FakeEngine(step_delay_s=0.001))
     (tmp_path / "ref.json").write_text(json.dumps({p: "definitely not this" for p in loadgen.BUILTIN_PROMPTS}))
-    rc = loadgen.main(["--grpc-target", f"127.0.0.1:{s.handle.grpc_port}", "--clients", "1", "--duration-s", "0.3",
+    rc = loadgen.main(["--grpc-target", f"127.0.0.1:{s.handle.grpc_port}", "--clients", "1", "--duration-s", "120",
                        "--cancel-fraction", "0", "--bad-fraction", "0", "--reference", str(tmp_path / "ref.json"),
                        "--output", str(tmp_path / "r.json")])  # fmt: skip
     assert rc == 1
