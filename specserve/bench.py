@@ -4,10 +4,13 @@ process, on the same ShareGPT prompts, greedy.
 Runs: ``specserve`` (the configured method), ``specserve_vanilla`` (same
 engine, no method), ``hf_generate`` (transformers ``generate`` on the same
 weights and dtype) and ``hf_prompt_lookup`` (ngram) or ``hf_assisted``
-(draft_model).  Writes JSON with tokens/s, acceptance figures, greedy-match
-fractions and, for each differing prompt, where it diverged and the reference
-run's top-2 logit gap there (a flip at a near-tie is numerics, not a bug).
-Machines are shared and noisy: read the ratios, measured in the same run.
+(draft_model), each with a progress bar on stderr.  Writes JSON with tokens/s,
+acceptance figures, greedy-match fractions and, for each differing prompt, where
+it diverged and the target's top-2 logit gap there.  A greedy flip where that gap
+is at most ``near_tie_gap`` (0.5 in bf16, 0.001 in fp32) is numerics: bf16 rounds
+differently in another implementation or batch shape.  One
+line (``greedy_match_summary``) says how many prompts differ and whether every
+difference is such a near-tie.  Read the speed ratios, measured in the same run.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from tqdm import tqdm
 
 from specserve.config import BenchConfig, Config
 from specserve.errors import ConfigError
@@ -84,32 +89,43 @@ class AcceptanceCounter:
         }
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> RunResult:
-    """Closed loop: keep `concurrency` requests in flight until all prompts are done."""
+def progress(desc: str | None, total: int) -> tqdm:
+    """One bar on stderr per measured run (none for warm-ups: ``desc`` None)."""
+    return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr, disable=desc is None, dynamic_ncols=True)
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, concurrency: int,
+               desc: str | None = None) -> RunResult:
+    """Closed loop: keep `concurrency` requests in flight until all prompts are done; a
+    progress bar named ``desc`` counts finished prompts."""
     outputs: dict[int, list[int]] = {}
     pending = list(range(len(prompts)))
     in_flight: dict[str, int] = {}
     tag = time.monotonic_ns()
+    bar = progress(desc, len(prompts))
     t0 = time.perf_counter()
-    while pending or in_flight:
-        while pending and len(in_flight) < concurrency:
-            i = pending.pop(0)
-            rid = f"bench-{tag}-{i}"
-            engine.add_request(rid, prompts[i], SamplingParams(temperature=0.0, max_tokens=max_tokens))
-            in_flight[rid] = i
-        for out in engine.step():
-            if out.finished:
-                outputs[in_flight.pop(out.request_id)] = out.token_ids
-    wall = time.perf_counter() - t0
+    with bar:
+        while pending or in_flight:
+            while pending and len(in_flight) < concurrency:
+                i = pending.pop(0)
+                rid = f"bench-{tag}-{i}"
+                engine.add_request(rid, prompts[i], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+                in_flight[rid] = i
+            for out in engine.step():
+                if out.finished:
+                    outputs[in_flight.pop(out.request_id)] = out.token_ids
+                    bar.update(1)
+        wall = time.perf_counter() - t0
     toks = [outputs[i] for i in range(len(prompts))]
     n = sum(len(t) for t in toks)
     return RunResult(n / wall, n, wall, toks)
 
 
-def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, eos: tuple[int, ...], **kw: Any) -> RunResult:
+def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, eos: tuple[int, ...], desc: str | None = None,
+           **kw: Any) -> RunResult:
     outs: list[list[int]] = []
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), progress(desc, len(prompts)) as bar:
         for p in prompts:
             ids = torch.tensor([p], device=model.device)
             gen = model.generate(
@@ -117,7 +133,8 @@ def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, eos: tuple[int
                 eos_token_id=list(eos), pad_token_id=eos[0], **kw,
             )
             outs.append(gen[0, len(p):].tolist())
-    wall = time.perf_counter() - t0
+            bar.update(1)
+        wall = time.perf_counter() - t0
     n = sum(len(o) for o in outs)
     return RunResult(n / wall, n, wall, outs)
 
@@ -135,10 +152,20 @@ def top2_gap(engine: LLMEngine, ids: list[int]) -> float:
         engine.blocks.free(table)
 
 
+def near_tie_gap(dtype: torch.dtype) -> float:
+    """The top-2 logit gap at or below which a greedy flip is rounding, not a bug: 64
+    units in the last place of 1.0 in ``dtype`` (bf16 0.5, fp16 0.0625), at least 0.001
+    (fp32 logits still differ with the order of a sum)."""
+    return max(64 * torch.finfo(dtype).eps, 1e-3)
+
+
 def compare(
     name: str, runs: dict[str, RunResult], a: str, b: str, prompts: list[list[int]], gap: Callable[[list[int]], float],
-    report: dict[str, Any],
+    report: dict[str, Any], near_tie: float = 1e-3,
 ) -> None:
+    """Greedy match of runs ``a`` and ``b``: the fraction of prompts with equal outputs, where
+    each differing prompt first diverged, the target's top-2 logit gap there (``gap`` of the
+    common prefix) and whether every divergence is a near-tie (gap <= ``near_tie``)."""
     if a not in runs or b not in runs:
         return
     same = 0
@@ -154,6 +181,46 @@ def compare(
         )
     report["greedy_match"][name] = same / len(prompts)
     report["greedy_divergences"][name] = divergences
+    gaps = [d["reference_top2_logit_gap"] for d in divergences]
+    ties = sum(1 for g in gaps if g <= near_tie)  # a NaN gap (no cache blocks) is not a tie
+    report.setdefault("greedy_match_explained", {})[name] = {
+        "num_prompts": len(prompts), "num_differ": len(divergences), "num_near_ties": ties,
+        "near_tie_gap": near_tie, "max_gap": max(gaps) if gaps else None,
+        "max_near_tie_gap": max((g for g in gaps if g <= near_tie), default=None),
+    }
+
+
+def greedy_match_line(report: dict[str, Any], run: str = "specserve",
+                      others: tuple[str, ...] = ("hf_generate", "hf_prompt_lookup", "hf_assisted",
+                                                 "specserve_vanilla")) -> str:
+    """One line on how ``run``'s greedy outputs match each other run, e.g.
+    ``greedy_match 0.5 vs hf_generate: 16 of 32 differ, all at near-ties (top-2 logit gap
+    <= 0.06); vs specserve_vanilla 1.0``; empty when nothing was compared."""
+    parts = []
+    for other in others:
+        name = f"{run}_vs_{other}"
+        match = report["greedy_match"].get(name)
+        if match is None:
+            continue
+        m = round(match, 3)
+        part = f"{m} vs {other}" if not parts else f"vs {other} {m}"
+        ex = report.get("greedy_match_explained", {}).get(name)
+        if ex and ex["num_differ"]:
+            part += f": {ex['num_differ']} of {ex['num_prompts']} differ, "
+            if ex["num_near_ties"] == ex["num_differ"]:
+                part += f"all at near-ties (top-2 logit gap <= {ex['max_near_tie_gap']:.2g})"
+            else:
+                part += (f"{ex['num_near_ties']} at near-ties (top-2 logit gap <= {ex['near_tie_gap']:.2g}), "
+                         f"{ex['num_differ'] - ex['num_near_ties']} not (largest gap {ex['max_gap']:.3g}): "
+                         "see greedy_divergences")
+        parts.append(part)
+    if not parts:
+        return ""
+    line = "greedy_match " + "; ".join(parts)
+    if any(ex["num_near_ties"] for ex in report.get("greedy_match_explained", {}).values()):
+        dtype = report.get("config", {}).get("dtype", "the serving dtype")
+        line += f" (a flip at a near-tie is {dtype} rounding, which differs between implementations)"
+    return line
 
 
 def measure_bandwidth_gbs(device: torch.device) -> dict[str, float]:
@@ -324,7 +391,7 @@ def run_bench(cfg: Config) -> int:
     if warm:
         run_engine(engine, warm, 8, 1)
     counter.__init__(max(k, 1))
-    runs["specserve"] = run_engine(engine, prompts, b.max_tokens, b.concurrency)
+    runs["specserve"] = run_engine(engine, prompts, b.max_tokens, b.concurrency, desc="specserve")
     runs["specserve"].extra.update(counter.summary())
     runs["specserve"].extra["concurrency"] = b.concurrency
 
@@ -334,10 +401,11 @@ def run_bench(cfg: Config) -> int:
         vanilla = LLMEngine(vcfg, target=target) if cfg.method is not None else engine
         if warm:
             run_engine(vanilla, warm, 8, 1)
-        runs["specserve_vanilla"] = run_engine(vanilla, prompts, b.max_tokens, b.concurrency)
+        runs["specserve_vanilla"] = run_engine(vanilla, prompts, b.max_tokens, b.concurrency, desc="specserve_vanilla")
         runs["specserve_vanilla"].extra["concurrency"] = b.concurrency
         if b.concurrency > 1:
-            runs["specserve_vanilla_concurrency1"] = run_engine(vanilla, prompts, b.max_tokens, 1)
+            runs["specserve_vanilla_concurrency1"] = run_engine(vanilla, prompts, b.max_tokens, 1,
+                                                                desc="specserve_vanilla_concurrency1")
 
     if "hf" in b.baselines:
         from transformers import AutoModelForCausalLM
@@ -347,10 +415,10 @@ def run_bench(cfg: Config) -> int:
         eos = target.eos_token_ids
         if warm:
             run_hf(hf, warm, 8, eos)
-        runs["hf_generate"] = run_hf(hf, prompts, b.max_tokens, eos)
+        runs["hf_generate"] = run_hf(hf, prompts, b.max_tokens, eos, desc="hf_generate")
         if method == "ngram":
             kw = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": cfg.method.prompt_lookup_max}
-            runs["hf_prompt_lookup"] = run_hf(hf, prompts, b.max_tokens, eos, **kw)
+            runs["hf_prompt_lookup"] = run_hf(hf, prompts, b.max_tokens, eos, desc="hf_prompt_lookup", **kw)
         elif method == "draft_model":
             dpath = cfg.method.model or cfg.draft.path
             dm = load_model(dpath, str(target.dtype).removeprefix("torch."), device, None,
@@ -360,7 +428,8 @@ def run_bench(cfg: Config) -> int:
             assistant.generation_config.num_assistant_tokens = k
             assistant.generation_config.num_assistant_tokens_schedule = "constant"
             assistant.generation_config.assistant_confidence_threshold = 0.0
-            runs["hf_assisted"] = run_hf(hf, prompts, b.max_tokens, eos, assistant_model=assistant)
+            runs["hf_assisted"] = run_hf(hf, prompts, b.max_tokens, eos, desc="hf_assisted",
+                                         assistant_model=assistant)
 
     report: dict[str, Any] = {
         "config": {
@@ -376,9 +445,11 @@ def run_bench(cfg: Config) -> int:
     }
     gap_engine = vanilla or engine
     gap = lambda ids: top2_gap(gap_engine, ids)  # noqa: E731
-    compare("specserve_vs_specserve_vanilla", runs, "specserve", "specserve_vanilla", prompts, gap, report)
-    compare("specserve_vs_hf_generate", runs, "specserve", "hf_generate", prompts, gap, report)
-    compare("specserve_vanilla_vs_hf_generate", runs, "specserve_vanilla", "hf_generate", prompts, gap, report)
+    tie = near_tie_gap(target.dtype)
+    compare("specserve_vs_specserve_vanilla", runs, "specserve", "specserve_vanilla", prompts, gap, report, tie)
+    compare("specserve_vs_hf_generate", runs, "specserve", "hf_generate", prompts, gap, report, tie)
+    compare("specserve_vanilla_vs_hf_generate", runs, "specserve_vanilla", "hf_generate", prompts, gap, report, tie)
+    report["greedy_match_summary"] = greedy_match_line(report)
     ratios = {}
     for a_, b_ in [("specserve", "specserve_vanilla"), ("specserve", "hf_generate"), ("specserve_vanilla", "hf_generate"),
                    ("specserve", "hf_prompt_lookup"), ("specserve", "hf_assisted"),
@@ -406,5 +477,7 @@ def run_bench(cfg: Config) -> int:
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps({"runs": report["runs"], "ratios": ratios, "greedy_match": report["greedy_match"],
                       "memory_bandwidth_floor": report["memory_bandwidth_floor"]}, indent=2))
+    if report["greedy_match_summary"]:
+        print(report["greedy_match_summary"])
     print(f"wrote {out}")
     return 0

@@ -1,4 +1,4 @@
-"""vLLM-shaped front doors onto specserve's Hydra config (issue #9).  Pure Python, no torch.
+"""vLLM-shaped front doors onto specserve's Hydra config.  Pure Python, no torch.
 
 People arrive with vLLM code: ``LLM(model, speculative_config={...})``,
 ``vllm serve MODEL --speculative-config JSON`` and ``SamplingParams(...)``
@@ -109,9 +109,16 @@ def _embedded_name(model: str) -> str | None:
 
 def model_overrides(model: Any, served_model_name: Any = None) -> list[str]:
     """The target model: a ``model`` preset name, ``embedded:<name>`` (or the bare
-    name), a ``.gguf`` file or a local HF directory.  As in vLLM, the served model
-    name defaults to the string given."""
+    name), a ``.gguf`` file or a local HF directory.
+
+    Served names: ``served_model_name`` (one name or several, as vLLM's
+    ``--served-model-name``) sets ``model.name`` to the first and
+    ``server.served_model_aliases`` to the rest; without it the model's own name
+    (``model.name``: a path as given, an embedded model's bare name, a preset's
+    name) is served.  The string given always answers too: a path through
+    ``model.path`` (added at validation), a preset's name as an alias."""
     out: list[str] = []
+    aliases: list[str] = []
     if model is not None:
         m = os.fspath(model) if isinstance(model, os.PathLike) else model
         if not isinstance(m, str) or not m:
@@ -120,16 +127,19 @@ def model_overrides(model: Any, served_model_name: Any = None) -> list[str]:
             )
         if m in _presets("model"):
             out.append(f"model={m}")
+            aliases.append(m)
         elif (name := _embedded_name(m)) is not None:
             out += [override("model.path", f"embedded:{name}"), override("model.name", name)]
         else:
             out += [override("model.path", m), override("model.name", m)]
     if served_model_name is not None:
-        if isinstance(served_model_name, (list, tuple)):
-            if len(served_model_name) != 1:
-                raise ConfigError("model.name", "specserve serves one model name; give one served_model_name")
-            served_model_name = served_model_name[0]
-        out.append(override("model.name", served_model_name))
+        names = list(served_model_name) if isinstance(served_model_name, (list, tuple)) else [served_model_name]
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError("model.name", f"served_model_name must be a name or a list of names; got {served_model_name!r}")
+        out.append(override("model.name", names[0]))
+        aliases = names[1:] + [a for a in aliases if a not in names]
+    if aliases:
+        out.append(f"server.served_model_aliases=[{','.join(hydra_value(a) for a in aliases)}]")
     return out
 
 

@@ -3,18 +3,23 @@
 YAML presets in ``conf/`` only select and override; Python validates once, in
 ``validate_config`` (called by ``specserve.cli`` right after
 ``OmegaConf.to_object``).  Every error names the full key and what is allowed.
+Hydra lets ``+key=value`` add any key; ``unknown_keys`` finds the ones the schema
+lacks and ``unknown_key_message`` names the closest real key (difflib).
 No torch here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from specserve.errors import ConfigError
 
 CPU_KERNELS = ("auto", "fused", "torch")  # engine.cpu_kernel
 CUDA_GRAPH_MODES = ("auto", "off")  # engine.cuda_graphs
+KERNEL_BACKENDS = ("auto", "triton", "torch")  # engine.attention_backend, engine.rejection_backend
 SPECULATION_MODES = ("auto", "adaptive", "fixed")  # engine.speculation
 
 METHODS = (
@@ -115,8 +120,15 @@ class EngineConfig:
     # hash chain of their tokens and reused by later requests with the same prefix.
     enable_prefix_caching: bool = True
     # CUDA graphs for decode and uniform verification steps per batch bucket
-    # (1, 2, 4, ... max_num_seqs): "auto" = on CUDA, "off" = eager.
+    # (1, 2, 4, ... max_num_seqs): "auto" = on CUDA, "off" = eager.  Graphs only: the
+    # kernels are chosen by the two keys below.
     cuda_graphs: str = "auto"
+    # What runs paged attention (+ the KV write) and draft verification: "auto" = the Triton
+    # kernel on CUDA when it compiles and matches its torch twin on a start-up check (every
+    # binary the engine can launch is then compiled before serving), else the twin with one
+    # warning; "triton" = the same (on the CPU: Triton's interpreter, tests); "torch" = the twin.
+    attention_backend: str = "auto"
+    rejection_backend: str = "auto"
     # Drafts per step: "fixed" = method.num_speculative_tokens every step; "adaptive" =
     # chosen per step from measured step costs and acceptance (0 switches speculation
     # off while it costs more than it saves); "auto" = adaptive with a method; Predicted
@@ -155,8 +167,17 @@ class ServerConfig:
     grpc_port: int = 50051
     http_port: int = 8000
     max_queue: int = 256
-    max_tokens_cap: int = 4096
-    default_max_tokens: int = 256
+    # Output length: a request without max_tokens gets what the context leaves after its
+    # prompt (max_model_len - prompt tokens; /v1/completions: 16, as in OpenAI and vLLM);
+    # one that asks for more than that is refused.  Optional explicit limits: every
+    # default becomes default_max_tokens (still within the context), and a request may
+    # ask for at most max_tokens_cap.  null = the context alone.
+    max_tokens_cap: Optional[int] = None
+    default_max_tokens: Optional[int] = None
+    # More names the model answers to besides model.name (vLLM's further
+    # --served-model-name names); /v1/models lists them all.  The model's path as given
+    # (model.path, e.g. embedded:smollm2-135m-instruct) is added at validation.
+    served_model_aliases: list[str] = field(default_factory=list)
     # API keys: one, or several separated by commas (each is a tenant: no cache is shared
     # across keys).  Unset: read from the variable named by api_key_env; none = no auth.
     api_key: Optional[str] = None
@@ -263,6 +284,24 @@ def split_api_keys(text: Optional[str], key: str) -> tuple[str, ...]:
     return keys
 
 
+MAX_SERVED_NAME_CHARS = 256  # the longest model name a client may send
+
+
+def served_model_aliases(name: str, aliases: Any, path: Optional[str]) -> list[str]:
+    """``server.served_model_aliases`` checked, with the model's ``path`` (as given) added:
+    the names besides ``name`` that the model answers to, each once, in order."""
+    if not isinstance(aliases, (list, tuple)):
+        raise ConfigError("server.served_model_aliases", f"must be a list of names, got {aliases!r}")
+    for alias in aliases:
+        if not isinstance(alias, str) or not alias.strip() or len(alias) > MAX_SERVED_NAME_CHARS:
+            raise ConfigError(
+                "server.served_model_aliases",
+                f"names must be non-empty strings of at most {MAX_SERVED_NAME_CHARS} characters; got {alias!r:.80}",
+            )
+    given = [path] if path and len(path) <= MAX_SERVED_NAME_CHARS else []  # a longer one could never be sent
+    return [a for a in dict.fromkeys([*aliases, *given]) if a != name]
+
+
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(key, f"must be one of {', '.join(allowed)}; got {value!r}")
@@ -352,6 +391,7 @@ def validate_config(cfg: Config) -> Config:
     """Validate the whole config once; raise ConfigError naming the key."""
     from specserve.speculators_format import compose_speculation
 
+    given_path = cfg.model.path  # as the user gave it, before a speculators directory is resolved
     compose_speculation(cfg)  # a speculators directory as the model; the shipped EAGLE-3 head by default
     validate_model("model", cfg.model)
     if cfg.draft is not None:
@@ -401,6 +441,8 @@ def validate_config(cfg: Config) -> Config:
     if not isinstance(e.enable_prefix_caching, bool):
         raise ConfigError("engine.enable_prefix_caching", f"must be true or false, got {e.enable_prefix_caching!r}")
     _choice("engine.cuda_graphs", e.cuda_graphs, CUDA_GRAPH_MODES)
+    _choice("engine.attention_backend", e.attention_backend, KERNEL_BACKENDS)
+    _choice("engine.rejection_backend", e.rejection_backend, KERNEL_BACKENDS)
     _choice("engine.speculation", e.speculation, SPECULATION_MODES)
     _int("engine.num_prediction_tokens", e.num_prediction_tokens, 0)
     if e.num_prediction_tokens > MAX_SPECULATIVE_TOKENS:
@@ -422,8 +464,10 @@ def validate_config(cfg: Config) -> Config:
         if port > 65535:
             raise ConfigError(f"server.{port_key}", f"must be <= 65535, got {port}")
     _int("server.max_queue", srv.max_queue, 1)
-    _int("server.max_tokens_cap", srv.max_tokens_cap, 1)
-    _int("server.default_max_tokens", srv.default_max_tokens, 1)
+    for key in ("max_tokens_cap", "default_max_tokens"):
+        if getattr(srv, key) is not None:
+            _int(f"server.{key}", getattr(srv, key), 1)
+    srv.served_model_aliases = served_model_aliases(cfg.model.name, srv.served_model_aliases, given_path)
     if not srv.drain_timeout_s >= 0:
         raise ConfigError("server.drain_timeout_s", "must be >= 0")
     _int("server.tokenizer_threads", srv.tokenizer_threads, 1)
@@ -464,3 +508,68 @@ MISPLACED_KEY_HINTS = {
     "method.k": "use method.num_speculative_tokens",
     "method.num_draft_tokens": "use method.num_speculative_tokens",
 }
+
+
+# --------------------------------------------------------------------------- unknown keys
+
+
+def _section_schema(hint: Any) -> Optional[type]:
+    """The dataclass of a field that is a section (``EngineConfig``, ``Optional[ModelConfig]``), else None."""
+    if is_dataclass(hint):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1 and is_dataclass(args[0]):
+        return args[0]
+    return None
+
+
+def schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
+    """Every key of ``schema`` as a dotted path (``engine.max_num_seqs``), sections included."""
+    hints = typing.get_type_hints(schema)
+    out: list[str] = []
+    for f in fields(schema):
+        out.append(prefix + f.name)
+        section = _section_schema(hints[f.name])
+        if section is not None:
+            out += schema_keys(section, f"{prefix}{f.name}.")
+    return out
+
+
+def unknown_keys(tree: Any, schema: type = Config, prefix: str = "") -> list[str]:
+    """The keys of a composed config (nested dicts) that ``schema`` does not have, as dotted paths."""
+    if not isinstance(tree, dict):
+        return []
+    hints = typing.get_type_hints(schema)
+    out: list[str] = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            out.append(path)
+            continue
+        section = _section_schema(hints[key])
+        if section is not None:
+            out += unknown_keys(value, section, path + ".")
+    return out
+
+
+def unknown_key_message(key: str) -> str:
+    """One line for a key the schema lacks: the closest real key (difflib: first among its
+    section's keys, then any section's), else the keys its section has."""
+    hint = MISPLACED_KEY_HINTS.get(key)
+    if hint:
+        return f"{key}: is not a valid key here; {hint}"
+    keys = schema_keys()
+    sections = {k.rpartition(".")[0] for k in keys if "." in k}
+    section, _, leaf = key.rpartition(".")
+    own = {k.rpartition(".")[2]: k for k in keys if section in sections and k.rpartition(".")[0] == section}
+    match = difflib.get_close_matches(leaf, list(own), n=1, cutoff=0.6)
+    if match:
+        return f"{key}: no such key; did you mean {own[match[0]]}?"
+    # A key in the wrong section, or without one: its name among every section's keys.
+    anywhere = {k.rpartition(".")[2]: k for k in reversed(keys) if k not in sections and "." in k}
+    match = difflib.get_close_matches(leaf, list(anywhere), n=1, cutoff=0.8)
+    if match:
+        return f"{key}: no such key; did you mean {anywhere[match[0]]}?"
+    if own:
+        return f"{key}: no such key; {section} has: {', '.join(own)}"
+    return f"{key}: no such key; the top-level keys are: {', '.join(k for k in keys if '.' not in k)}"

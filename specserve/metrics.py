@@ -5,8 +5,8 @@ reports raw events (drafts proposed, drafts accepted, tokens, latencies) and
 this module only counts them; ratios are derived at query time in PromQL.
 No object touches ``prometheus_client``'s global default registry.
 
-All series carry the labels ``model_name`` and ``method`` (the speculative
-method, ``none`` without speculation).
+All ``specserve_*`` series carry the labels ``model_name`` and ``method`` (the speculative
+method, ``none`` without speculation); the ``vllm:*`` twins (below) carry vLLM's labels.
 
 Speculative decoding (vLLM's vocabulary: a *draft* is one proposal round for
 one request; *draft tokens* the tokens it proposed; *accepted* those the
@@ -45,6 +45,14 @@ Derived figures (PromQL; use the same range everywhere)::
     # p99 time to first token
     histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
 
+Kernels (``engine.attention_backend``, ``engine.rejection_backend``)::
+
+    specserve_backend_info{attention, rejection}   1; "triton", or "torch" where the Triton kernel
+                                                   failed its start-up check (or "cpu_fused" on the CPU)
+
+    # replicas per attention backend (a "torch" on CUDA fell back: see its start-up log)
+    count by (attention) (specserve_backend_info)
+
 Adaptive speculation::
 
     specserve_spec_decode_num_speculative_tokens   gauge, drafts per request per step chosen now
@@ -63,6 +71,8 @@ Serving::
     specserve_time_to_first_token_seconds      histogram, 0.001 .. 2560 s
     specserve_inter_token_latency_seconds      histogram, 0.01 .. 80 s
     specserve_e2e_request_latency_seconds      histogram
+    specserve_request_prompt_tokens            histogram, prompt tokens per finished request
+    specserve_request_generation_tokens        histogram, generated tokens per finished request
     specserve_iteration_tokens_total           histogram, tokens (prompt + generated) per engine step
 
 Automatic prefix caching (tokens, as vLLM counts them)::
@@ -77,12 +87,36 @@ Suffix decoding's global response cache (all tenants together; 0 for other metho
                                                <= method.suffix_decoding_max_cached_bytes
     specserve_suffix_cache_responses           gauge, responses cached (<= suffix_decoding_max_cached_requests)
 
+vLLM's names.  Every series above with a vLLM counterpart is exported a second time under
+vLLM v1's name, type, unit and buckets, with vLLM's labels ``model_name`` and ``engine``
+(always "0": one engine per server) and no ``method`` label, so dashboards, autoscaling
+rules and routers written for vLLM (the Gateway API Inference Extension's endpoint picker
+reads ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and
+``vllm:kv_cache_usage_perc``) work unchanged.  Both names are updated by the same call, so
+they always agree.  ``VLLM_NAMES`` maps each specserve family to its vLLM name(s)::
+
+    vllm:num_requests_running  vllm:num_requests_waiting  vllm:kv_cache_usage_perc
+    vllm:gpu_cache_usage_perc                  (vLLM's pre-0.10 name of kv_cache_usage_perc)
+    vllm:prompt_tokens_total  vllm:generation_tokens_total  vllm:request_success_total{finished_reason}
+    vllm:prefix_cache_queries_total  vllm:prefix_cache_hits_total
+    vllm:time_to_first_token_seconds  vllm:inter_token_latency_seconds  vllm:e2e_request_latency_seconds
+    vllm:time_per_output_token_seconds         (vLLM's pre-0.11 name of inter_token_latency_seconds)
+    vllm:request_prompt_tokens  vllm:request_generation_tokens  vllm:iteration_tokens_total
+    vllm:spec_decode_num_drafts_total  vllm:spec_decode_num_draft_tokens_total
+    vllm:spec_decode_num_accepted_tokens_total  vllm:spec_decode_num_accepted_tokens_per_pos_total{position}
+
+``specserve_request_prompt_tokens`` / ``specserve_request_generation_tokens`` (histograms,
+prompt and generated tokens per finished request, vLLM's 1-2-5 buckets) exist for these twins.
+specserve-only (no vLLM counterpart): the acceptance-length histogram, the config info,
+the chosen K, request errors and the suffix cache gauges.
+
 ``docs/metrics.md`` repeats this list for operators.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -104,6 +138,74 @@ E2E_BUCKETS = (
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Tokens per request: vLLM's 1-2-5 series (it stops at max_model_len; here at 1M tokens).
+REQUEST_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+
+# vLLM's label values: one engine per server, index 0.
+VLLM_ENGINE = "0"
+
+# specserve family -> the vLLM v1 name(s) it is also exported under (same type, unit,
+# buckets and label values; vLLM's labels: model_name and engine, no method).  The first
+# name is vLLM's current one; a second is the name older vLLM releases used.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "specserve_num_requests_running": ("vllm:num_requests_running",),
+    "specserve_num_requests_waiting": ("vllm:num_requests_waiting",),
+    "specserve_kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "specserve_prompt_tokens": ("vllm:prompt_tokens",),
+    "specserve_generation_tokens": ("vllm:generation_tokens",),
+    "specserve_request_success": ("vllm:request_success",),
+    "specserve_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "specserve_prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "specserve_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "specserve_inter_token_latency_seconds": (
+        "vllm:inter_token_latency_seconds",
+        "vllm:time_per_output_token_seconds",
+    ),
+    "specserve_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "specserve_request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "specserve_request_generation_tokens": ("vllm:request_generation_tokens",),
+    "specserve_iteration_tokens_total": ("vllm:iteration_tokens_total",),
+    "specserve_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "specserve_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "specserve_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "specserve_spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
+}
+
+
+class _Twins:
+    """Children of one specserve family and of its vLLM-named families, updated together."""
+
+    __slots__ = ("children",)
+
+    def __init__(self, *children: Any):
+        self.children = children
+
+    def inc(self, amount: float = 1) -> None:
+        for child in self.children:
+            child.inc(amount)
+
+    def set(self, value: float) -> None:
+        for child in self.children:
+            child.set(value)
+
+    def observe(self, value: float) -> None:
+        for child in self.children:
+            child.observe(value)
+
+
+class _TwinFamilies:
+    """A specserve family with an extra label (position, finished_reason) and its vLLM twins:
+    ``labels(position="2")`` is the pair of children with that label value."""
+
+    def __init__(self, ours: Any, our_values: dict[str, str], theirs: list[Any], their_values: dict[str, str]):
+        self._ours, self._our_values = ours, our_values
+        self._theirs, self._their_values = theirs, their_values
+
+    def labels(self, **extra: str) -> _Twins:
+        return _Twins(
+            self._ours.labels(**self._our_values, **extra),
+            *(f.labels(**self._their_values, **extra) for f in self._theirs),
+        )
 
 
 @dataclass(frozen=True)
@@ -114,6 +216,10 @@ class MetricsIdentity:
     method: str  # "none" without speculation
     num_speculative_tokens: int  # K, 0 without speculation
     lossless: bool = True
+    # what runs paged attention and draft verification (engine.attention_backend,
+    # engine.rejection_backend after the start-up checks): "triton", "torch", "cpu_fused"
+    attention_backend: str = "unknown"
+    rejection_backend: str = "unknown"
 
 
 class SpecServeMetrics:
@@ -130,14 +236,31 @@ class SpecServeMetrics:
         values = {"model_name": identity.model_name, "method": identity.method or "none"}
         k = max(0, int(identity.num_speculative_tokens))
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, labels + extra, registry=registry)
+        vllm_labels = ("model_name", "engine")
+        vllm_values = {"model_name": identity.model_name, "engine": VLLM_ENGINE}
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(**values)
+        def families(cls: type, name: str, doc: str, extra: tuple[str, ...] = (), **kw: Any) -> tuple[Any, list]:
+            """The specserve family ``name`` and one family per vLLM name of it (VLLM_NAMES)."""
+            ours = cls(name, doc, labels + extra, registry=registry, **kw)
+            theirs = [cls(v, doc, vllm_labels + extra, registry=registry, **kw) for v in VLLM_NAMES.get(name, ())]
+            return ours, theirs
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=registry).labels(**values)
+        def twins(cls: type, name: str, doc: str, **kw: Any) -> _Twins:
+            ours, theirs = families(cls, name, doc, **kw)
+            return _Twins(ours.labels(**values), *(f.labels(**vllm_values) for f in theirs))
+
+        def labelled(name: str, doc: str, extra: str) -> _TwinFamilies:
+            ours, theirs = families(Counter, name, doc, (extra,))
+            return _TwinFamilies(ours, values, theirs, vllm_values)
+
+        def counter(name: str, doc: str) -> _Twins:
+            return twins(Counter, name, doc)
+
+        def histogram(name: str, doc: str, buckets) -> _Twins:
+            return twins(Histogram, name, doc, buckets=buckets)
+
+        def gauge(name: str, doc: str) -> _Twins:
+            return twins(Gauge, name, doc)
 
         info = Info(
             "specserve_spec_decode_config",
@@ -148,24 +271,27 @@ class SpecServeMetrics:
         info.labels(**values).info(
             {"num_speculative_tokens": str(k), "lossless": "true" if identity.lossless else "false"}
         )
+        backends = Info("specserve_backend", "What runs the kernels: Triton or the torch twin it fell back to.",
+                        labels, registry=registry)
+        backends.labels(**values).info(
+            {"attention": identity.attention_backend, "rejection": identity.rejection_backend}
+        )
 
         # Prometheus appends _total to counter names.
         self.num_drafts = counter(
             "specserve_spec_decode_num_drafts", "Draft rounds (one per request per step that proposed)."
-        ).labels(**values)
-        self.num_draft_tokens = counter(
-            "specserve_spec_decode_num_draft_tokens", "Draft tokens proposed."
-        ).labels(**values)
+        )
+        self.num_draft_tokens = counter("specserve_spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = counter(
             "specserve_spec_decode_num_accepted_tokens", "Draft tokens accepted by the target."
-        ).labels(**values)
-        per_pos = counter(
+        )
+        per_pos = labelled(
             "specserve_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0-based).",
-            ("position",),
+            "position",
         )
         # Children for every position up front, so each series starts at 0.
-        self.accepted_per_pos = [per_pos.labels(**values, position=str(p)) for p in range(k)]
+        self.accepted_per_pos = [per_pos.labels(position=str(p)) for p in range(k)]
         self._per_pos_family = per_pos
         self._values = values
         self.acceptance_length = histogram(
@@ -185,23 +311,30 @@ class SpecServeMetrics:
         self.kv_cache_usage = gauge(
             "specserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1, as vLLM's)."
         )
-        self.prompt_tokens = counter("specserve_prompt_tokens", "Prompt tokens prefilled.").labels(**values)
-        self.generation_tokens = counter("specserve_generation_tokens", "Tokens generated.").labels(**values)
-        success = counter("specserve_request_success", "Finished requests by reason.", ("finished_reason",))
-        self.request_success = {r: success.labels(**values, finished_reason=r) for r in FINISHED_REASONS}
+        self.prompt_tokens = counter("specserve_prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("specserve_generation_tokens", "Tokens generated.")
+        success = labelled("specserve_request_success", "Finished requests by reason.", "finished_reason")
+        self.request_success = {r: success.labels(finished_reason=r) for r in FINISHED_REASONS}
         self._success_family = success
-        self._errors_family = counter(
-            "specserve_request_errors", "Requests answered with an error status, by reason.", ("reason",)
+        self._errors_family = Counter(
+            "specserve_request_errors", "Requests answered with an error status, by reason.", labels + ("reason",),
+            registry=registry,
+        )
+        self.request_prompt_tokens = histogram(
+            "specserve_request_prompt_tokens", "Prompt tokens per finished request.", REQUEST_TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "specserve_request_generation_tokens", "Generated tokens per finished request.", REQUEST_TOKEN_BUCKETS
         )
         self.ttft = histogram("specserve_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("specserve_inter_token_latency_seconds", "Time between emitted tokens.", ITL_BUCKETS)
         self.e2e = histogram("specserve_e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
         self.prefix_cache_queries = counter(
             "specserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (at admission)."
-        ).labels(**values)
+        )
         self.prefix_cache_hits = counter(
             "specserve_prefix_cache_hits", "Prompt tokens whose K/V was found in the prefix cache."
-        ).labels(**values)
+        )
         self.suffix_cache_bytes = gauge(
             "specserve_suffix_cache_bytes", "Estimated memory of suffix decoding's global response cache (bytes)."
         )
@@ -247,9 +380,11 @@ class SpecServeMetrics:
         reason = stats.finish_reason
         child = self.request_success.get(reason)
         if child is None:  # a reason this build does not know: still count it
-            child = self._success_family.labels(**self._values, finished_reason=str(reason))
+            child = self._success_family.labels(finished_reason=str(reason))
         child.inc()
         self.e2e.observe(stats.e2e_latency_s)
+        self.request_prompt_tokens.observe(stats.num_prompt_tokens)
+        self.request_generation_tokens.observe(stats.num_generation_tokens)
 
     # ------------------------------------------------------------------ server side
 
@@ -266,4 +401,4 @@ class SpecServeMetrics:
     def _per_pos(self, pos: int):
         if pos < len(self.accepted_per_pos):
             return self.accepted_per_pos[pos]
-        return self._per_pos_family.labels(**self._values, position=str(pos))
+        return self._per_pos_family.labels(position=str(pos))

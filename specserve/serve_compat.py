@@ -1,8 +1,9 @@
 """``specserve serve MODEL [vLLM flags]``: the vLLM-compatible way to start the server.
 
 A thin translation into Hydra overrides (``--dry-run`` prints them and the
-composed config); the server then starts exactly as ``specserve <overrides>``
-would.  Hydra stays the primary interface: ``specserve +method=ngram`` is
+composed config once it has passed start-up's checks); the server then starts
+exactly as ``specserve <overrides>`` would.  ``--port`` without ``--grpc-port``
+puts gRPC on a free port, so two servers with different ``--port`` never collide.  Hydra stays the primary interface: ``specserve +method=ngram`` is
 unchanged, and ``key=value`` arguments here are passed through as overrides.
 
     specserve serve embedded:smollm2-135m-instruct --port 8000 --seed 42 -tp 1 \\
@@ -58,17 +59,19 @@ _TEXT_FLAGS = {"model", "served-model-name", "host", "api-key", "ssl-certfile", 
 USAGE = f"""usage: {PROG} [MODEL] [options] [key=value ...]
 
 The vLLM-compatible form of `specserve`: options become Hydra overrides
-(--dry-run prints them and the composed config, then exits).
+(--dry-run prints them and the config, checked as start-up checks it, then exits).
   MODEL / --model M            model preset, embedded:<name>, a .gguf file or an HF directory
   --host H                     listen address (server.host)
   --port P                     HTTP port, the OpenAI API (server.http_port; 0 = any free port)
-  --grpc-port P                gRPC port (server.grpc_port)
+  --grpc-port P                gRPC port (server.grpc_port; default 50051, or a free port
+                               when --port is given: the log says which)
   --seed N                     engine.seed
   -tp, --tensor-parallel-size  parallelism.tensor_parallel_size
   --max-model-len N            model.max_model_len
   --dtype D                    model.dtype: auto, float32, bfloat16, float16 (half, float)
   --speculative-config JSON    e.g. '{{"method": "draft_model", "model": "<draft>", "num_speculative_tokens": 5}}'
-  --served-model-name NAME     the model id clients send (default: MODEL as given)
+  --served-model-name NAME ... the model ids clients send (model.name, then
+                               server.served_model_aliases); MODEL as given answers too
   --api-key KEY                server.api_key;  --ssl-certfile/--ssl-keyfile: TLS
   --{' / --'.join(k.replace('_', '-') for k in ENGINE_KEYS)}
                                engine.* keys
@@ -133,6 +136,13 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
                 raise UnsupportedArgumentError(key, f"--{name} needs a value")
             value = argv[i]
             i += 1
+            if name == "served-model-name":  # several names, as vLLM's nargs="+": up to the next option
+                names = [value]
+                while i < len(argv) and not argv[i].startswith("-") and "=" not in argv[i]:
+                    names.append(argv[i])
+                    i += 1
+                engine["served_model_name"] = names
+                continue
         if name == "config-dir":
             config_dir = ["--config-dir", value]
         elif name in _SERVER_FLAGS:
@@ -148,6 +158,13 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
                 "speculative_config", f"--speculative-config: not valid JSON ({e})"
             ) from None
     overrides, notes = engine_overrides(speculative_config=spec, where="serve", **engine)
+    given = {o.partition("=")[0].lstrip("+") for o in server + passthrough}
+    if "server.http_port" in given and "server.grpc_port" not in given:
+        # vLLM has only the HTTP port: a second server started with another --port must not
+        # collide with the first on gRPC's fixed default.
+        server.append("server.grpc_port=0")
+        notes.append("--port without --grpc-port: gRPC listens on a free port, logged at start-up "
+                     "(\"gRPC on HOST:PORT\"); --grpc-port P fixes it")
     return config_dir + overrides + server + passthrough, notes, dry_run
 
 
@@ -202,17 +219,16 @@ def serve_main(argv: list[str]) -> int:
 
 
 def _dry_run(overrides: list[str], hydra_form: str) -> int:
-    from omegaconf import OmegaConf
-
-    from specserve.cli import UsageError, compose_config
+    from specserve.cli import UsageError, check_device, compose_config, config_yaml
 
     print("# the Hydra command line this translates to:")
     print(hydra_form)
     try:
         cfg = compose_config(overrides)
+        check_device(cfg)  # start-up's device and dtype checks (float16 on the CPU, ...)
     except (UsageError, SpecServeError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     print("# the composed, validated config:")
-    print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+    print(config_yaml(cfg), end="")
     return 0

@@ -7,19 +7,22 @@ Every override is read with Hydra's own override parser, so ``a,b,c``,
 combinations are their cartesian product, the first override varying slowest
 (Hydra's basic sweeper order).  All combinations are composed and validated
 before anything runs; then they run one after another in this process: the
-target model is loaded once per distinct model config, and the plain-decoding
-reference (``specserve_vanilla`` in ``bench.baselines``, on by default) runs
-once per distinct model/engine/bench config and is reused by every
-combination for its speedup and greedy-match figures.  The transformers
-baselines (``hf``) are not run in sweeps: use ``specserve-bench`` without -m.
+target model is loaded once per distinct model config.  Plain decoding
+(``specserve_vanilla`` in ``bench.baselines``, on by default) is measured right
+before every combination, on the same prompts, so each speedup divides two
+runs made at the same time (a shared machine's load drifts over a sweep); its
+engine is built once per distinct model/engine/bench config.  Every run shows a
+progress bar on stderr, and a warning repeated by later runs is logged once.
+The transformers baselines (``hf``) are not run in sweeps: use
+``specserve-bench`` without -m.
 
 Outputs go to the directory named by ``bench.output`` without its suffix
 (``bench.output=docs/benchmarks/sweep.json`` -> ``docs/benchmarks/sweep/``):
 
 * ``NN-<swept values>.json``: one report per combination (specserve-bench's layout);
 * ``summary.json`` and ``summary.md``: one row per combination (method, K, mean
-  acceptance length, acceptance rate, tokens per request step, tokens/s, speedup
-  over plain decoding, greedy match with plain decoding);
+  acceptance length, acceptance rate, tokens per request step, tokens/s, plain
+  decoding's tokens/s measured beside it, the speedup over it, greedy match with it);
 * ``sweep.png``: mean acceptance length and tokens/s against K, one line per
   method (matplotlib, ``pip install 'specserve[plot]'``; skipped with a warning
   when it is missing).
@@ -27,6 +30,7 @@ Outputs go to the directory named by ``bench.output`` without its suffix
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -37,7 +41,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from specserve.config import Config
 
@@ -132,12 +136,14 @@ def _vanilla_key(cfg: Config) -> str:
 
 class BenchRunner:
     """Runs one combination like specserve-bench (greedy, same prompts, closed
-    loop), reusing the loaded target and the plain-decoding reference."""
+    loop): plain decoding first, then the combination, reusing the loaded target
+    and the plain-decoding engine."""
 
     def __init__(self) -> None:
         self._target_key: tuple | None = None
         self._target: Any = None
-        self._vanilla: dict[str, tuple[Any, str]] = {}  # key -> (RunResult, name of the run that measured it)
+        self._plain_key: str | None = None
+        self._plain: Any = None  # the plain-decoding LLMEngine for _plain_key
 
     def _load_target(self, cfg: Config) -> Any:
         from specserve.executor.loader import load_model, resolve_device
@@ -145,24 +151,38 @@ class BenchRunner:
         m, e = cfg.model, cfg.engine
         key = (m.path, m.dtype, m.max_model_len, m.cache_dir, e.device, e.cpu_kernel)
         if key != self._target_key:
-            self._target = None  # free the previous one first
+            self._target = self._plain = self._plain_key = None  # free the previous ones first
             self._target = load_model(m.path, m.dtype, resolve_device(e.device), m.max_model_len, m.cache_dir,
                                       cpu_kernel=e.cpu_kernel)
             self._target_key = key
         return self._target
 
+    def _plain_engine(self, cfg: Config, target: Any, prompts: list[list[int]]) -> Any:
+        """The plain-decoding engine of ``cfg``'s model/engine/bench config (built and warmed
+        up once)."""
+        from specserve.bench import run_engine
+        from specserve.engine.engine import LLMEngine
+
+        key = _vanilla_key(cfg)
+        if key != self._plain_key:
+            self._plain = None
+            self._plain = LLMEngine(dataclasses.replace(cfg, method=None, draft=None), target=target)
+            self._plain_key = key
+            if cfg.bench.warmup:
+                run_engine(self._plain, prompts[: cfg.bench.warmup], 8, 1)
+        return self._plain
+
     def __call__(self, cfg: Config, job: Job) -> dict[str, Any]:
         import torch
 
-        from specserve.bench import AcceptanceCounter, RunResult, compare, run_engine, select_prompts, top2_gap
+        from specserve.bench import (AcceptanceCounter, RunResult, compare, greedy_match_line, near_tie_gap,
+                                     run_engine, select_prompts, top2_gap)
         from specserve.engine.engine import LLMEngine
         from specserve.executor.loader import default_cache_dir
 
         b = cfg.bench
         if cfg.engine.num_threads is not None:
             torch.set_num_threads(cfg.engine.num_threads)
-        if "hf" in b.baselines:
-            log.info("sweep: the hf baselines are not run in sweeps (run specserve-bench without -m for them)")
         target = self._load_target(cfg)
         cache = Path(cfg.model.cache_dir) if cfg.model.cache_dir else default_cache_dir()
         engine = LLMEngine(cfg, target=target)
@@ -177,23 +197,17 @@ class BenchRunner:
             run_engine(engine, prompts[: b.warmup], 8, 1)
         counter.__init__(max(engine.k, 1))
         engine.listeners.append(steps)
-        runs: dict[str, RunResult] = {"specserve": run_engine(engine, prompts, b.max_tokens, b.concurrency)}
+        runs: dict[str, RunResult] = {}
+        plain = None
+        if "specserve_vanilla" in b.baselines:  # right before the combination: a same-time ratio
+            plain = self._plain_engine(cfg, target, prompts)
+            runs["specserve_vanilla"] = run_engine(plain, prompts, b.max_tokens, b.concurrency,
+                                                   desc=f"{job.name} plain decoding")
+            runs["specserve_vanilla"].extra.update({"concurrency": b.concurrency, "measured_in_run": job.name})
+        runs["specserve"] = run_engine(engine, prompts, b.max_tokens, b.concurrency, desc=job.name)
         runs["specserve"].extra.update(counter.summary())
         runs["specserve"].extra["tokens_per_step"] = steps.tokens_per_step
         runs["specserve"].extra["concurrency"] = b.concurrency
-        if "specserve_vanilla" in b.baselines:
-            key = _vanilla_key(cfg)
-            if key not in self._vanilla:
-                vanilla = LLMEngine(dataclasses.replace(cfg, method=None, draft=None), target=target)
-                if b.warmup:
-                    run_engine(vanilla, prompts[: b.warmup], 8, 1)
-                res = run_engine(vanilla, prompts, b.max_tokens, b.concurrency)
-                res.extra["concurrency"] = b.concurrency
-                self._vanilla[key] = (res, job.name)
-                del vanilla
-            res, measured_by = self._vanilla[key]
-            runs["specserve_vanilla"] = RunResult(res.tokens_per_second, res.output_tokens, res.wall_s, res.outputs,
-                                                  {**res.extra, "measured_in_run": measured_by})
         report: dict[str, Any] = {
             "config": {
                 "method": method, "num_speculative_tokens": engine.k, "dtype": str(target.dtype).removeprefix("torch."),
@@ -204,13 +218,14 @@ class BenchRunner:
             },
             "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
             "sweep": {"run": job.name, "overrides": job.overrides, "params": job.params},
-            "runs": {n: r.to_json() for n, r in runs.items()},
+            "runs": {n: runs[n].to_json() for n in ("specserve", "specserve_vanilla") if n in runs},
             "greedy_match": {},
             "greedy_divergences": {},
             "ratios": {},
         }
         compare("specserve_vs_specserve_vanilla", runs, "specserve", "specserve_vanilla", prompts,
-                lambda ids: top2_gap(engine, ids), report)
+                lambda ids: top2_gap(plain or engine, ids), report, near_tie_gap(target.dtype))
+        report["greedy_match_summary"] = greedy_match_line(report)
         if "specserve_vanilla" in runs:
             report["ratios"]["specserve_over_specserve_vanilla"] = (
                 runs["specserve"].tokens_per_second / runs["specserve_vanilla"].tokens_per_second)
@@ -244,20 +259,20 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def summary_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| run | method | K | mean AL | acceptance rate | tokens/step | tokens/s | x plain decoding "
-             "| greedy match |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | method | K | mean AL | acceptance rate | tokens/step | tokens/s | plain tokens/s "
+             "| x plain decoding | greedy match |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['run']} | {r['method']} | {r['K']} | {_fmt(r['mean_acceptance_length'], '.2f')} | "
             f"{_fmt(r['acceptance_rate'], '.3f')} | {_fmt(r.get('tokens_per_step'), '.2f')} | "
-            f"{_fmt(r['tokens_per_second'], '.1f')} | "
+            f"{_fmt(r['tokens_per_second'], '.1f')} | {_fmt(r['vanilla_tokens_per_second'], '.1f')} | "
             f"{_fmt(r['speedup_vs_vanilla'], '.2f')} | {_fmt(r['greedy_match_vs_vanilla'], '.2f')} |"
         )
-    van = sorted({round(r["vanilla_tokens_per_second"], 2) for r in rows if r["vanilla_tokens_per_second"]})
-    if van:
+    if any(r["vanilla_tokens_per_second"] for r in rows):
         lines.append("")
-        lines.append(f"Plain decoding (measured once, same prompts): {', '.join(f'{v:.1f}' for v in van)} tokens/s.")
+        lines.append("Plain decoding is measured right before each run, on the same prompts: each ratio divides "
+                     "two runs made at the same time.")
     return "\n".join(lines) + "\n"
 
 
@@ -302,6 +317,45 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> bool:
 # --------------------------------------------------------------------------- entry point
 
 
+class SayOnce(logging.Filter):
+    """A handler filter for the length of a sweep: the first of identical warnings (same
+    logger, level and text) goes through, later runs' repeats are counted instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, int, str]] = set()
+        self.repeats = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        verdict = getattr(record, "_say_once", None)
+        if verdict is not None and verdict[0] is self:
+            return verdict[1]  # the same record at another handler
+        key = (record.name, record.levelno, record.getMessage())
+        keep = key not in self.seen
+        if keep:
+            self.seen.add(key)
+        else:
+            self.repeats += 1
+        record._say_once = (self, keep)
+        return keep
+
+
+@contextlib.contextmanager
+def say_once() -> Iterator[SayOnce]:
+    """Install a SayOnce filter on the root logger's handlers for the block."""
+    once = SayOnce()
+    handlers = list(logging.getLogger().handlers)
+    for h in handlers:
+        h.addFilter(once)
+    try:
+        yield once
+    finally:
+        for h in handlers:
+            h.removeFilter(once)
+
+
 def run_sweep(argv: list[str], runner: Runner | None = None) -> int:
     """argv: specserve-bench's arguments without -m. Returns the exit code."""
     from specserve.cli import _cap_onednn_isa, _parse_argv, compose_config
@@ -313,8 +367,9 @@ def run_sweep(argv: list[str], runner: Runner | None = None) -> int:
     if show:
         flags.append("--cfg")
     if help_:
-        compose_config(["-h"])
-        print("-m, --multirun    sweep: one run per combination of comma-separated values (see specserve/sweep.py)")
+        from specserve.cli import help_text
+
+        print(help_text(PROG))
         return 0
     jobs = expand(overrides)
     cfgs = []
@@ -327,15 +382,23 @@ def run_sweep(argv: list[str], runner: Runner | None = None) -> int:
     out_dir = Path(cfgs[0][1].bench.output).with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
     _cap_onednn_isa(cfgs[0][1])
+    if any("hf" in cfg.bench.baselines for _, cfg in cfgs):
+        log.info("sweep: the hf baselines are not run in sweeps (run specserve-bench without -m for them)")
     runner = runner or BenchRunner()
     rows = []
-    for job, cfg in cfgs:
-        report = runner(cfg, job)
-        (out_dir / f"{job.name}.json").write_text(json.dumps(report, indent=2))
-        rows.append(summary_row(job, report))
-        r = rows[-1]
-        print(f"[{job.index + 1}/{len(cfgs)}] {job.name}: AL {r['mean_acceptance_length']:.2f}, "
-              f"{r['tokens_per_second']:.1f} tokens/s", flush=True)
+    with say_once() as once:
+        for job, cfg in cfgs:
+            report = runner(cfg, job)
+            (out_dir / f"{job.name}.json").write_text(json.dumps(report, indent=2))
+            rows.append(summary_row(job, report))
+            r = rows[-1]
+            speed = f", {r['speedup_vs_vanilla']:.2f}x plain decoding" if r["speedup_vs_vanilla"] else ""
+            print(f"[{job.index + 1}/{len(cfgs)}] {job.name}: AL {r['mean_acceptance_length']:.2f}, "
+                  f"{r['tokens_per_second']:.1f} tokens/s{speed}", flush=True)
+            if (r["greedy_match_vs_vanilla"] or 1.0) < 1.0 and report.get("greedy_match_summary"):
+                print(f"    {report['greedy_match_summary']}", flush=True)
+    if once.repeats:
+        log.info("sweep: %d repeats of warnings shown above were not shown again", once.repeats)
     first = cfgs[0][1]
     info = {"argv": argv, "overrides": overrides, "runs": [j.name for j, _ in cfgs],
             "model": first.model.name, "dtype": first.model.dtype, "num_prompts": first.bench.num_prompts,

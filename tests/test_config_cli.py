@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.cli import UsageError, compose_config
+from specserve.cli import UsageError, compose_config, serve_main
 from specserve.config import Config
 from specserve.errors import ConfigError
 
@@ -92,7 +92,7 @@ def test_extra_config_dir_adds_presets(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["+method=ngram", "method.num_speculative_tokens=0"], ["+method=nope"],
-                                  ["--bogus-flag"]])
+                                  ["--bogus-flag"], ["--cfg", "+engine.max_num_seq=64"]])
 def test_cli_prints_one_line_and_exits_2(args):
     exe = Path(sys.executable).parent / "specserve"  # the installed console script
     r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120)
@@ -100,3 +100,114 @@ def test_cli_prints_one_line_and_exits_2(args):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("specserve") and "error:" in lines[0]
     assert "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------- every door validates
+
+
+@pytest.mark.parametrize("args, line", [
+    (["+method=ngram", "method.num_speculative_tokens=0"], "method.num_speculative_tokens: must be >= 1, got 0"),
+    (["model.dtype=float16", "engine.device=cpu"],
+     "model.dtype=float16 is only supported on CUDA; use bfloat16 or float32 on CPU"),
+    (["+engine.max_num_seq=64"], "engine.max_num_seq: no such key; did you mean engine.max_num_seqs?"),
+])  # fmt: skip
+def test_cfg_prints_a_config_only_once_it_passes_start_up_checks(args, line, capsys):
+    assert serve_main(["--cfg", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == f"specserve: error: {line}"
+
+
+def test_cfg_prints_the_validated_config(capsys):
+    assert serve_main(["--cfg", "+method=ngram", "method.prompt_lookup_min=null", "method.prompt_lookup_max=4"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt_lookup_min: 4" in out and "served_model_aliases:\n  - embedded:smollm2-135m-instruct" in out
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["+engine.max_num_seq=64"], "engine.max_num_seq: no such key; did you mean engine.max_num_seqs?"),
+    (["engine.max_num_seq=64"], "engine.max_num_seq: no such key; did you mean engine.max_num_seqs?"),
+    (["+method=ngram", "method.num_speculative_tokenz=4"],
+     "method.num_speculative_tokenz: no such key; did you mean method.num_speculative_tokens?"),
+    (["+method=ngram", "+method.prompt_lookup_mn=2"],
+     "method.prompt_lookup_mn: no such key; did you mean method.prompt_lookup_min?"),
+    (["+max_num_seqs=8"], "max_num_seqs: no such key; did you mean engine.max_num_seqs?"),
+    (["+model.max_num_seqs=8"], "model.max_num_seqs: no such key; did you mean engine.max_num_seqs?"),
+    (["+foo=bar"], "foo: no such key; the top-level keys are: model, draft, method, parallelism, engine, server, "
+                   "bench, generate"),
+    (["+parallelism.zzz=1"], "parallelism.zzz: no such key; parallelism has: tensor_parallel_size, "
+                             "pipeline_parallel_size, master_port, timeout_s"),
+    (["+method.temperature=0.5", "+method=ngram"],
+     "method.temperature: is not a valid key here; sampling keys belong to each request (SamplingParams), "
+     "not the speculative config"),
+])  # fmt: skip
+def test_unknown_keys_fail_naming_the_closest_key(overrides, line):
+    with pytest.raises(UsageError) as e:
+        compose_config(overrides)
+    assert str(e.value) == line
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["method.num_speculative_tokens=4"],
+     "method.num_speculative_tokens: no speculative method is selected; add one first: +method=<name> "
+     "method.num_speculative_tokens=4 (methods: dflash, draft_model, eagle, eagle3, layer_skip, mlp_speculator, mtp, "
+     "ngram, suffix)"),
+    (["method=ngram"], "method: not in the defaults, so it is added with +: write +method=ngram"),
+    (["+method=ngram", "+method=suffix"],
+     "method: selected twice (+method=ngram and +method=suffix); give +method=<name> once"),
+    (["+draft=smollm2-135m"], "draft: is in the defaults already, so it is selected without +: write draft=smollm2-135m"),
+    (["+method=ngram", "+method.num_speculative_tokens=4"],
+     "method.num_speculative_tokens: is set already (by its preset or the schema), so it is changed without +: "
+     "write method.num_speculative_tokens=4"),
+    (["draft.dtype=float32"], "draft.dtype: no draft is selected; add draft=<preset> first (qwen3-tiny, smollm2-135m, "
+                              "smollm2-135m-eagle3), or set method.model=<path>"),
+    (["engine.max_num_seqs"], "engine.max_num_seqs: an override needs a value: engine.max_num_seqs=<value>"),
+])  # fmt: skip
+def test_hydra_slips_say_what_to_type(overrides, line):
+    with pytest.raises(UsageError) as e:
+        compose_config(overrides)
+    assert str(e.value) == line
+
+
+def test_the_model_path_as_given_is_a_served_name():
+    assert compose_config([]).server.served_model_aliases == ["embedded:smollm2-135m-instruct"]
+    cfg = compose_config(["model.name=x", "server.served_model_aliases=[a,x,a]"])
+    assert cfg.model.name == "x" and cfg.server.served_model_aliases == ["a", "embedded:smollm2-135m-instruct"]
+    with pytest.raises(ConfigError, match=r"^server\.served_model_aliases: names must be non-empty"):
+        compose_config(["server.served_model_aliases=['']"])
+
+
+# --------------------------------------------------------------------------- each tool's own --help
+
+
+@pytest.mark.parametrize("tool, own, foreign", [
+    ("specserve-generate", ["generate.prompts=[]", "generate.max_tokens=128", "generate.messages=[]"],
+     ["server.grpc_port", "bench."]),
+    ("specserve-bench", ["bench.num_prompts=16", "bench.baselines=[specserve_vanilla,hf]", "bench.prompts_file=null",
+                         "-m, --multirun"], ["server.grpc_port", "generate."]),
+    ("specserve-train", ["data.num_conversations=800", "optim.epochs=2", "output_dir=outputs/eagle3-head",
+                         "head.draft_vocab_size=8192"], ["server.grpc_port", "bench.", "``"]),
+    ("specserve-loadgen", ["--clients", "--duration-s", "--expect-shutdown"], ["OVERRIDE"]),
+    ("specserve", ["Overrides are Hydra overrides", "server.grpc_port", "specserve serve MODEL"], ["bench.", "generate."]),
+])  # fmt: skip
+def test_each_tool_prints_its_own_usage_and_keys(tool, own, foreign, capsys):
+    from specserve import cli, loadgen
+    from specserve.train import cli as train_cli
+
+    main = {"specserve-generate": cli.generate_main, "specserve-bench": cli.bench_main, "specserve": cli.serve_main,
+            "specserve-train": train_cli.main, "specserve-loadgen": loadgen.main}[tool]
+    try:
+        rc = main(["--help"])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith(f"usage: {tool} "), out[:200]
+    assert all(k in out for k in own), [k for k in own if k not in out]
+    assert not any(k in out for k in foreign), [k for k in foreign if k in out]
+
+
+def test_the_installed_bench_script_and_a_sweep_print_the_bench_help():
+    exe = Path(sys.executable).parent / "specserve-bench"
+    for args in (["--help"], ["-m", "+method=ngram", "-h"]):
+        r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith("usage: specserve-bench "), (args, r.stdout[:300], r.stderr)
+        assert "bench.max_tokens=128" in r.stdout and "server.grpc_port" not in r.stdout

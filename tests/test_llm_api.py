@@ -419,9 +419,8 @@ def test_async_llm_streams_the_same_greedy_output(tiny_llama, tiny_draft, drafte
                 chat_text += out.outputs[0].new_text
             async for _ in llm.generate(PROMPTS[1], greedy(400, ignore_eos=True)):
                 break  # leaving early aborts the request
-            for _ in range(200):
-                if not llm.engine.engine.requests:
-                    break
+            deadline = asyncio.get_running_loop().time() + 30  # a safety net against a hang
+            while llm.engine.engine.requests and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.01)
             return streamed, many, chat_text, dict(llm.engine.engine.requests)
 

@@ -1,4 +1,4 @@
-"""``specserve serve MODEL [vLLM flags]`` (issue #9): a thin translation into Hydra overrides.
+"""``specserve serve MODEL [vLLM flags]``: a thin translation into Hydra overrides.
 
 The seed's serve command translates to the expected overrides (``--dry-run``
 prints them and the validated config); removed vLLM flags and unknown flags
@@ -50,9 +50,9 @@ def test_seed_command_translates_to_hydra_overrides():
     assert overrides == [
         "model.path=/m/target", "model.name=/m/target", "+method=draft_model", "method.model=/m/draft",
         "method.num_speculative_tokens=5", "model.max_model_len=2048", "engine.seed=42",
-        "engine.gpu_memory_utilization=0.8", "server.host=0.0.0.0", "server.http_port=8000",
+        "engine.gpu_memory_utilization=0.8", "server.host=0.0.0.0", "server.http_port=8000", "server.grpc_port=0",
     ]  # fmt: skip
-    assert not dry and notes == []
+    assert not dry and len(notes) == 1 and notes[0].startswith("--port without --grpc-port: gRPC listens on a free port")
 
 
 def test_spellings_short_flags_and_passthrough_agree():
@@ -64,7 +64,8 @@ def test_spellings_short_flags_and_passthrough_agree():
         "model.path=embedded:smollm2-135m-instruct", "model.name=smollm2-135m-instruct", "model.dtype=float16",
         "model.max_model_len=512", "engine.max_num_seqs=4", "server.grpc_port=0", "engine.num_threads=2",
     ]  # fmt: skip
-    assert translate(["smollm2-135m", "--speculative-config", '{"method": "ngram"}'])[0] == ["model=smollm2-135m", "+method=ngram"]
+    assert translate(["smollm2-135m", "--speculative-config", '{"method": "ngram"}'])[0] == [
+        "model=smollm2-135m", "server.served_model_aliases=[smollm2-135m]", "+method=ngram"]  # fmt: skip
 
 
 def test_dry_run_prints_the_translation_and_the_validated_config(tiny_llama, tiny_draft):
@@ -96,7 +97,7 @@ def test_removed_vllm_flags_say_what_to_use_instead(flag):
     (["--swap-space", "4"], "unknown option '--swap-space'"),
     (["--port", "http"], "--port must be an integer, got 'http'"),
     (["--speculative-config", "{method: ngram}"], "--speculative-config: not valid JSON"),
-    (["--speculative-config", '{"method": "ngram", "bogus": 1}'], "method.bogus: Key 'bogus' not in"),
+    (["--speculative-config", '{"method": "ngram", "bogus": 1}'], "method.bogus: no such key; method has: method, model, num_speculative_tokens,"),
     (["--speculative-config", '{"method": "ngram", "temperature": 0.7}'], "method.temperature: is not a valid key here"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "method.num_speculative_tokens: must be >= 1"),
     (["-tp", "0"], "parallelism.tensor_parallel_size: must be >= 1"),
@@ -108,6 +109,40 @@ def test_bad_serve_arguments_are_one_line(argv, expected):
     rc, _, err = run_serve(["embedded:smollm2-135m-instruct", *argv, "--dry-run"])
     line = err.strip()
     assert rc == 2 and "\n" not in line and line.startswith("specserve serve: error: ") and expected in line, line
+
+
+def test_dry_run_makes_start_up_device_checks():
+    rc, out, err = run_serve(["embedded:smollm2-135m-instruct", "--dtype", "half", "--device", "cpu", "--dry-run"])
+    assert rc == 2 and "# the composed" not in out
+    assert err.strip() == ("specserve serve: error: model.dtype=float16 is only supported on CUDA; "
+                           "use bfloat16 or float32 on CPU")  # fmt: skip
+
+
+def _dry_config(argv: list[str]) -> tuple[dict, str]:
+    rc, out, err = run_serve(["embedded:smollm2-135m-instruct", *argv, "--dry-run"])
+    assert rc == 0, err
+    return yaml.safe_load("\n".join(out.splitlines()[3:])), err
+
+
+def test_port_without_grpc_port_puts_grpc_on_a_free_port():
+    cfg, err = _dry_config(["--port", "8001"])
+    assert (cfg["server"]["http_port"], cfg["server"]["grpc_port"]) == (8001, 0)
+    assert "note: --port without --grpc-port: gRPC listens on a free port" in err
+    for argv in (["--port", "8001", "--grpc-port", "9001"], ["--port", "8001", "server.grpc_port=9001"]):
+        cfg, err = _dry_config(argv)
+        assert cfg["server"]["grpc_port"] == 9001 and "free port" not in err
+    assert _dry_config([])[0]["server"]["grpc_port"] == 50051  # no --port: the defaults, 8000 and 50051
+
+
+def test_served_model_names_and_the_model_as_given():
+    cfg, _ = _dry_config(["--served-model-name", "gpt-x", "gpt-y", "--port", "8001"])
+    assert cfg["model"]["name"] == "gpt-x" and cfg["server"]["http_port"] == 8001
+    assert cfg["server"]["served_model_aliases"] == ["gpt-y", "embedded:smollm2-135m-instruct"]
+    cfg, _ = _dry_config([])
+    assert cfg["model"]["name"] == "smollm2-135m-instruct"
+    assert cfg["server"]["served_model_aliases"] == ["embedded:smollm2-135m-instruct"]
+    overrides, _, _ = translate(["smollm2-135m", "--served-model-name=mine"])
+    assert overrides == ["model=smollm2-135m", "model.name=mine", "server.served_model_aliases=[smollm2-135m]"]
 
 
 def test_help_and_the_hydra_form_unchanged(capsys):

@@ -1,8 +1,11 @@
-"""specserve-bench -m: sweep expansion, validation before running, per-run JSON, summary and plot (fake runner)."""
+"""specserve-bench -m: sweep expansion, validation before running, per-run JSON, summary and plot (fake
+runner); plain decoding measured beside every combination and warnings said once (tiny model)."""
 
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 
 import pytest
 
@@ -103,4 +106,66 @@ def test_summary_markdown_without_a_vanilla_reference():
            "acceptance_rate": 0.375, "tokens_per_second": 20.0, "output_tokens": 1, "vanilla_tokens_per_second": None,
            "speedup_vs_vanilla": None, "greedy_match_vs_vanilla": None}
     md = summary_markdown([row])
-    assert "| 00-x | suffix | 4 | 2.50 | 0.375 | - | 20.0 | - | - |" in md and "Plain decoding" not in md
+    assert "| 00-x | suffix | 4 | 2.50 | 0.375 | - | 20.0 | - | - | - |" in md and "Plain decoding" not in md
+
+
+def test_a_warning_repeated_by_every_run_is_logged_once(tmp_path, caplog):
+    class Warns(FakeRunner):
+        def __call__(self, cfg, job):
+            logging.getLogger("specserve.some.module").warning("the same thing, again")
+            logging.getLogger("specserve.some.module").warning("run %d of the sweep", job.index)
+            return super().__call__(cfg, job)
+
+    caplog.set_level(logging.INFO)
+    rc = run_sweep(["+method=ngram", "method.num_speculative_tokens=1,2,3", f"bench.output={tmp_path}/w.json"],
+                   Warns())
+    assert rc == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert said.count("the same thing, again") == 1
+    assert [m for m in said if m.startswith("run ")] == [f"run {i} of the sweep" for i in range(3)]
+    assert "sweep: 2 repeats of warnings shown above were not shown again" in said
+    # the default baselines include hf, which sweeps do not run: said once, not once per run
+    assert sum("hf baselines are not run in sweeps" in m for m in said) == 1
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("sweep") / "llama", "llama")
+
+
+def test_plain_decoding_is_measured_right_before_every_combination(tiny, tmp_path, monkeypatch, capsys):
+    from specserve import bench
+
+    calls: list[tuple[str | None, int]] = []  # (progress bar name, number of prompts) of every run_engine call
+    real = bench.run_engine
+
+    def recorded(engine, prompts, max_tokens, concurrency, desc=None):
+        calls.append((desc, len(prompts)))
+        return real(engine, prompts, max_tokens, concurrency, desc=desc)
+
+    monkeypatch.setattr(bench, "run_engine", recorded)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["w1 w2 w3 w1 w2", "w5 w6 w7"]))
+    out = tmp_path / "s.json"
+    rc = run_sweep([f"model.path={tiny}", "model.name=tiny", "model.dtype=float32", "engine.num_kv_blocks=256",
+                    "engine.block_size=4", "engine.num_threads=1", "+method=ngram",
+                    "method.num_speculative_tokens=1,2", f"bench.prompts_file={prompts}", "bench.num_prompts=2",
+                    "bench.max_tokens=4", "bench.chat=false", "bench.baselines=[specserve_vanilla]",
+                    f"bench.output={out}"])  # fmt: skip
+    assert rc == 0
+    measured = [desc for desc, n in calls if desc is not None]
+    assert measured == ["00-num_speculative_tokens=1 plain decoding", "00-num_speculative_tokens=1",
+                        "01-num_speculative_tokens=2 plain decoding", "01-num_speculative_tokens=2"]
+    assert all(n == 1 for desc, n in calls if desc is None)  # warm-ups: no bar
+    for name in ("00-num_speculative_tokens=1", "01-num_speculative_tokens=2"):
+        report = json.loads((tmp_path / "s" / f"{name}.json").read_text())
+        plain = report["runs"]["specserve_vanilla"]
+        assert plain["measured_in_run"] == name
+        assert report["ratios"]["specserve_over_specserve_vanilla"] == pytest.approx(
+            report["runs"]["specserve"]["tokens_per_second"] / plain["tokens_per_second"])
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "01-num_speculative_tokens=2 plain decoding: 100%" in err and "01-num_speculative_tokens=2: 100%" in err
+    md = (tmp_path / "s" / "summary.md").read_text()
+    assert "measured right before each run" in md

@@ -40,6 +40,7 @@ def check(render: Path) -> tuple[str, str]:
     # The server pod: the Deployment's, or (multi-node) the LeaderWorkerSet's leader (rank 0).
     pods = [d["spec"]["template"] for d in docs if d["kind"] == "Deployment"]
     pods += [d["spec"]["leaderWorkerTemplate"]["leaderTemplate"] for d in docs if d["kind"] == "LeaderWorkerSet"]
+    pods = [p for p in pods if any(c["name"] == "specserve" for c in p["spec"]["containers"])]  # not the EPP's
     (pod,) = pods
     (c,) = [c for c in pod["spec"]["containers"] if c["name"] == "specserve"]
     args = list(c["args"])

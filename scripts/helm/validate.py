@@ -11,6 +11,11 @@
   fields against a strict JSON schema written from the LWS v1 API types (LWS_SCHEMA), and
   each pod template (leaderTemplate, workerTemplate) as a core/v1 PodTemplate with
   kubernetes-validate, strict, for every Kubernetes version given.
+* InferencePool (inference.networking.k8s.io/v1, Gateway API Inference Extension): against
+  the strict JSON schema vendored from the extension's pinned CRD
+  (tests/helm/schemas/inference.networking.k8s.io/inferencepool_v1.json, see the README
+  there), and its metadata as ObjectMeta with kubernetes-validate, strict, for every
+  Kubernetes version given.
 * Before anything else, a canary: a Deployment with one unknown field must be REJECTED,
   and a ServiceMonitor with one unknown field must be caught; otherwise the validator
   itself is broken and the gate fails.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -148,6 +154,25 @@ def check_lws(doc: dict, versions: list[str]) -> list[str]:
     return errors
 
 
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "tests" / "helm" / "schemas"
+# CRD kinds checked against a vendored JSON schema (kubeconform's file layout).
+VENDORED = {("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io/inferencepool_v1.json"}
+
+
+def check_vendored(doc: dict, schema_file: str, versions: list[str]) -> list[str]:
+    import jsonschema
+
+    schema = json.loads((SCHEMA_DIR / schema_file).read_text())
+    errors = []
+    for e in jsonschema.Draft7Validator(schema).iter_errors(doc):
+        rule = e.schema.get("x-kubernetes-validation-message") if isinstance(e.schema, dict) else None
+        errors.append(f"[{schema_file}] {'.'.join(str(p) for p in e.path) or '.'}: {rule or e.message}")
+    meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc.get("metadata", {})}
+    for v in versions:
+        errors += [f"[k8s {v}] metadata: {m}" for m in check_builtin(meta, v)]
+    return errors
+
+
 def check_crd(doc: dict, model: Any) -> list[str]:
     try:
         obj = model.model_validate(doc)
@@ -191,6 +216,8 @@ def validate_doc(doc: dict, versions: list[str], crds: dict) -> list[str]:
     key = (doc.get("apiVersion"), doc.get("kind"))
     if key == LWS_API:
         return check_lws(doc, versions)
+    if key in VENDORED:
+        return check_vendored(doc, VENDORED[key], versions)
     if key in crds:
         return [f"[CRD round trip] {m}" for m in check_crd(doc, crds[key])]
     errors = []
@@ -228,7 +255,22 @@ def canary(versions: list[str], crds: dict) -> list[str]:
     good_lws["spec"]["leaderWorkerTemplate"]["workerTemplate"] = copy.deepcopy(good_deploy["spec"]["template"])
     odd_lws = copy.deepcopy(good_lws)
     odd_lws["spec"]["leaderWorkerTemplate"]["groupSize"] = 2
+    good_pool = {
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": "canary"},
+        "spec": {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 8000}],
+                 "endpointPickerRef": {"name": "canary-epp", "port": {"number": 9002}}},
+    }
+    odd_pool = copy.deepcopy(good_pool)
+    odd_pool["spec"]["targetPortNumber"] = 8000  # the v1alpha2 field
+    portless_pool = copy.deepcopy(good_pool)
+    del portless_pool["spec"]["endpointPickerRef"]["port"]  # a Service reference needs its port
     problems = []
+    if validate_doc(good_pool, versions, crds):
+        problems.append(f"canary: a valid InferencePool was rejected: {validate_doc(good_pool, versions, crds)}")
+    if not validate_doc(odd_pool, versions, crds):
+        problems.append("canary: an unknown InferencePool field was NOT rejected")
+    if not validate_doc(portless_pool, versions, crds):
+        problems.append("canary: an InferencePool endpointPickerRef to a Service without a port was NOT rejected")
     if validate_doc(good_lws, versions, crds):
         problems.append(f"canary: a valid LeaderWorkerSet was rejected: {validate_doc(good_lws, versions, crds)}")
     if not validate_doc(bad_lws, versions, crds):

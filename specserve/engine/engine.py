@@ -32,19 +32,21 @@ from specserve.engine.sequence import Sequence, Status
 from specserve.engine.stats import RequestFinishedStats, RequestStepStats, StatsListener, StepStats
 from specserve.engine.tokenizer import Tokenizer
 from specserve.engine.spec_control import SpecController
-from specserve.errors import ConfigError, InvalidRequestError, RequestFailedError, SpecServeError
+from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model, resolve_device
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.runner import ModelRunner
+from specserve.kernels.backends import choose_attention, choose_rejection
 from specserve.parallel.plan import draft_tensor_parallel_size
 from specserve.proposers import DraftRequest, Proposer, build_proposer
-from specserve.proposers.base import KV_LAYERS, ProposerContext
+from specserve.proposers.base import KV_LAYERS, ProposerContext, TargetShape, memory_needs
 from specserve.proposers.prediction import PredictedOutputs
 from specserve.request import FinishReason, RequestOutput, SamplingParams
 from specserve.sampling.philox import random_seed, seed_to_int64
 from specserve.sampling.sampler import DeviceSampler, unpack
 from specserve.engine.controls import logprob_lists, plan_step
+from specserve.engine.memory import DeviceFigures, MemoryBudget, plan_memory
 from specserve.sampling.logits_processors import logprob_columns
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,10 @@ class ModelInfo:
     # Layout (specserve.parallel): ranks the target is sharded over, and the draft model's.
     tensor_parallel_size: int = 1
     draft_tensor_parallel_size: int = 1
+    # What runs the kernels (kernels.backends): "triton" or "torch" (the twin; "cpu_fused":
+    # the CPU's fused decoder), after the start-up checks.
+    attention_backend: str = "torch"
+    rejection_backend: str = "torch"
 
 
 @dataclass
@@ -81,52 +87,30 @@ class _ReqState:
     prompt_lps_sent: bool = False
 
 
-CPU_KV_CACHE_GIB = 0.5  # the CPU's default KV budget
+def memory_budget(cfg: Config, target: LoadedModel, k: int, graphs: bool, static: bool, extra_layers: int,
+                  with_method: bool = True, device: DeviceFigures | None = None) -> MemoryBudget:
+    """The device memory budget (``engine.memory``), asked before the KV cache is sized:
+    the method declares its part from its config files; on CUDA the device is measured
+    here (the profiled transients only where the KV size is not given).  ``device``
+    overrides the measurement (tests: meta tensors and a device figure)."""
+    e, spec = cfg.engine, cfg.method
+    needs = None
+    if spec is not None and with_method:
+        shape = TargetShape(target.arch, target.dtype.itemsize, target.max_model_len, target.hf_dir,
+                            cuda=target.device.type == "cuda", cuda_graphs=graphs)
+        needs = memory_needs(spec, shape, e, cfg.draft)
+    if device is None and target.device.type == "cuda":
+        from specserve.executor.static_runner import profile_cuda_memory
 
-
-def _num_blocks(cfg: Config, target: LoadedModel, graph_tokens: int, extra_layers: int = 0) -> int:
-    e = cfg.engine
-    if e.num_kv_blocks is not None:
-        return e.num_kv_blocks
-    a = target.arch
-    layers = a.num_layers + extra_layers  # a proposer's layers (an EAGLE head's) share the budget
-    per_block = KVCache.bytes_per_block(layers, e.block_size, a.num_kv_heads, a.head_dim, target.dtype)
-    if e.kv_cache_memory_gib is not None or target.device.type != "cuda":
-        gib = e.kv_cache_memory_gib if e.kv_cache_memory_gib is not None else CPU_KV_CACHE_GIB
-        return max(1, int(gib * (1 << 30)) // per_block)
-    from specserve.executor.static_runner import cuda_kv_budget_bytes
-
-    budget = cuda_kv_budget_bytes(target, e.max_num_batched_tokens, e.block_size, e.gpu_memory_utilization, graph_tokens)
-    # A draft model keeps a cache of the same block count: its bytes share the budget.
-    blocks = budget // (per_block + _draft_bytes_per_block(cfg, target))
-    if blocks < 1:
-        raise ConfigError(
-            "engine.gpu_memory_utilization",
-            f"{e.gpu_memory_utilization} of the GPU leaves no room for the KV cache after the weights and "
-            "activations; raise it, lower engine.max_num_batched_tokens, or set engine.kv_cache_memory_gib",
-        )
-    log.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%s", blocks, blocks * per_block / (1 << 30),
-             e.gpu_memory_utilization)
-    return blocks
-
-
-def _draft_bytes_per_block(cfg: Config, target: LoadedModel) -> int:
-    """KV bytes per block of a draft model's own cache (draft_model method), else 0.
-    Read from the draft's config.json, before the draft is loaded."""
-    spec = cfg.method
-    if spec is None or spec.method != "draft_model":
-        return 0
-    path = spec.model or (cfg.draft.path if cfg.draft is not None else None)
-    if not path:
-        return 0
-    from transformers import AutoConfig
-
-    from specserve.executor.loader import resolve_hf_dir
-    from specserve.executor.models.llama import ArchConfig
-
-    d = ArchConfig.from_hf(AutoConfig.from_pretrained(str(resolve_hf_dir(path, cfg.model.cache_dir)),
-                                                      local_files_only=True))
-    return KVCache.bytes_per_block(d.num_layers, cfg.engine.block_size, d.num_kv_heads, d.head_dim, target.dtype)
+        if e.num_kv_blocks is not None or e.kv_cache_memory_gib is not None:
+            _, total = torch.cuda.mem_get_info(target.device)
+            device = DeviceFigures(int(total), int(torch.cuda.memory_allocated(target.device)))
+        else:
+            tokens = max(e.max_num_batched_tokens, e.max_num_seqs * (k + 1))  # the largest eager step
+            p = profile_cuda_memory(target, tokens, e.block_size, e.max_num_seqs, k)
+            device = DeviceFigures(p.total_bytes, p.held_bytes, p.activation_bytes, p.verify_bytes)
+    return plan_memory(cfg, target, k=k, graphs=graphs, static=static, extra_layers=extra_layers, needs=needs,
+                       device=device)
 
 
 def draft_sizes(k: int) -> tuple[int, ...]:
@@ -166,7 +150,11 @@ class LLMEngine:
         single = getattr(target, "tp", None) is None  # TP runs eager torch (no static runner or graphs)
         graphs = cuda and single and e.cuda_graphs != "off"
         extra = KV_LAYERS.get(spec.method, 0) if spec is not None and proposer is None else 0
-        num_blocks = _num_blocks(cfg, target, e.max_num_seqs * (1 + self.k) if graphs else 0, extra)
+        # Every device allocation is counted before the KV cache gets what is left (engine.memory).
+        self.memory_budget = memory_budget(cfg, target, self.k, graphs, cuda and single, extra,
+                                           with_method=proposer is None)
+        log.info("%s", self.memory_budget.line())
+        num_blocks = self.memory_budget.num_blocks
         a = target.arch
         self.kv = KVCache(a.num_layers + extra, num_blocks, e.block_size, a.num_kv_heads, a.head_dim, target.dtype,
                           target.device)
@@ -174,8 +162,13 @@ class LLMEngine:
         self._prefix_reported = (0, 0)  # prefix-cache (queried, hit) tokens already in StepStats
         # ``proposer``: one built by the caller (the head trainer's feature recorder)
         self.proposer: Proposer | None = proposer
+        # Triton or its twin for attention: checked on the target's geometry before anything
+        # launches it; drafters are handed the outcome as their engine.attention_backend.
+        attention = choose_attention(e.attention_backend, target.device, target.dtype, a.num_heads, a.num_kv_heads,
+                                     a.head_dim, e.block_size, a.sliding_window) if single else None
         if spec is not None and proposer is None:
-            ctx = ProposerContext(target=target, draft_model=cfg.draft, engine=e, num_kv_blocks=num_blocks,
+            drafting = dataclasses.replace(e, attention_backend=attention.used) if attention is not None else e
+            ctx = ProposerContext(target=target, draft_model=cfg.draft, engine=drafting, num_kv_blocks=num_blocks,
                                   kv=self.kv, blocks=self.blocks,
                                   cache_dir=Path(cfg.model.cache_dir) if cfg.model.cache_dir else None)
             self.proposer = build_proposer(spec, ctx)
@@ -186,12 +179,15 @@ class LLMEngine:
                 )
         self.aux_layer_ids: tuple[int, ...] = tuple(getattr(self.proposer, "aux_layer_ids", ()) or ())
         static = None
-        if cuda and single:  # the GPU data path: persistent buffers, the paged Triton kernel, graphs per bucket
+        # The GPU data path: persistent buffers, the paged Triton kernel (or its twin), graphs per
+        # bucket; on the CPU only with attention_backend=triton (Triton's interpreter: tests).
+        if single and (cuda or e.attention_backend == "triton"):
             from specserve.executor.static_runner import StaticStepRunner
 
             static = StaticStepRunner(
                 target, self.kv, max_num_seqs=e.max_num_seqs, max_num_tokens=e.max_num_batched_tokens,
                 graph_query_lens=(1, *(k + 1 for k in sizes)), aux_layer_ids=self.aux_layer_ids, use_graphs=graphs,
+                attention_impl=attention,
             )
         self.runner = ModelRunner(
             target, self.kv, cpu_kernel=e.cpu_kernel, fused_max_tokens=e.cpu_fused_max_tokens,
@@ -203,15 +199,19 @@ class LLMEngine:
         # (on the CPU those stay fixed: measured there with K every step).
         adaptive = e.speculation == "adaptive" or (e.speculation == "auto" and (cuda or spec is not None))
         self.spec_control = SpecController(self.k, adaptive=adaptive and self.k > 0, candidates=sizes)
-        if static is not None and graphs:
-            static.capture()
-            self.spec_control.seed_costs(static.time_graphs())
+        if static is not None:
+            static.capture()  # compiles every Triton binary it can launch first, graphs or not
+            if graphs:
+                self.spec_control.seed_costs(static.time_graphs())
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.k, self.max_model_len,
                                    e.long_prefill_token_threshold)
         self.seed_generator = torch.Generator().manual_seed(e.seed)  # seeds of unseeded requests (host)
+        verify = spec.rejection_sample_method if spec is not None else "strict"
+        rejection = choose_rejection(e.rejection_backend, target.device, verify, target.arch.vocab_size)
         self.sampler = DeviceSampler(
-            e.max_num_seqs, self.k, target.device, spec.rejection_sample_method if spec is not None else "strict",
+            e.max_num_seqs, self.k, target.device, verify,
             spec.synthetic_acceptance_rate if spec is not None else None, vocab_size=target.arch.vocab_size,
+            use_kernel=rejection.used == "triton",
         )
         self.requests: dict[str, _ReqState] = {}
         self.listeners: list[StatsListener] = []
@@ -228,6 +228,8 @@ class LLMEngine:
             lossless=spec is None or spec.rejection_sample_method != "synthetic",
             tensor_parallel_size=1 if single else target.tp.size,
             draft_tensor_parallel_size=1 if single else draft_tensor_parallel_size(spec, target.tp.size),
+            attention_backend=static.impl if static is not None else "cpu_fused" if self.runner.fused else "torch",
+            rejection_backend=rejection.used,
         )
 
     # ------------------------------------------------------------ requests

@@ -19,18 +19,23 @@ Each probe that leaves speculation off doubles that interval (up to ``probe_max`
 steps): a drafter that keeps losing, e.g. one whose drafts cost several target
 steps, stops paying a probe every few dozen steps.  Speculating again resets it.
 Until ``warmup_rounds`` drafts have been verified every step drafts K (acceptance
-is not trusted from a handful of rounds).  The choice is exported as a gauge and
-logged when it changes.
+is not trusted from a handful of rounds).  The choice is exported as a gauge.  A
+change of the choice is logged at INFO at most once per ``log_interval_s`` (by
+``clock``): the line says the current choice and how many changes it stands for;
+every change and every probe is logged at DEBUG.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
 DECAY = 0.98  # per observed step: acceptance and cost estimates follow drift over ~50 steps
+LOG_INTERVAL_S = 5.0  # at most one INFO line per this many seconds about the choice of K
 
 
 def bucket_of(n: int) -> int:
@@ -68,6 +73,13 @@ class SpecController:
     _interval: int = 0  # steps off before the next probe (probe_every, doubling)
     _probed: bool = False  # the previous choice was a probe
     _last_k: int | None = None
+    # Logging: INFO about the choice at most once per log_interval_s seconds of clock().
+    log_interval_s: float = LOG_INTERVAL_S
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    _logged_k: int | None = None  # the choice the last INFO line reported
+    _last_decided: int | None = None
+    _logged_at: float | None = None
+    _changes: int = 0  # changes of the choice since that line
 
     def __post_init__(self) -> None:
         self.candidates = tuple(sorted({k for k in (self.candidates or range(1, self.k_max + 1)) if 1 <= k <= self.k_max}))
@@ -75,6 +87,7 @@ class SpecController:
         self.accepted = [0.0] * self.k_max
         self.chosen = self.k_max
         self._interval = self.probe_every
+        self._logged_k = self.k_max
 
     # ------------------------------------------------------------------ observations
     def seed_costs(self, table: dict[tuple[int, int], float]) -> None:
@@ -132,6 +145,7 @@ class SpecController:
             elif self._probed:  # the probe just measured says still off: wait twice as long
                 self._interval = min(2 * self._interval, self.probe_max)
             self._probed = False
+        decided = k
         if self.adaptive and k == 0:
             self._steps_off += 1
             if self._steps_off >= self._interval:  # look again: acceptance or costs may have moved
@@ -140,10 +154,29 @@ class SpecController:
                 k = self.k_max
         else:
             self._steps_off = 0
-        if k != self._last_k and self._last_k is not None and self.adaptive:
-            log.info("speculation: %d drafts per step at batch %d (was %d)", k, batch_size, self._last_k)
+        if self.adaptive and batch_size > 0:  # an idle engine decides nothing
+            self._log_choice(decided, k, batch_size)
         self._last_k = self.chosen = k
         return k
+
+    def _log_choice(self, decided: int, k: int, batch_size: int) -> None:
+        """Every change and probe at DEBUG; the decision (probes aside) at INFO when it
+        differs from the last INFO line, at most once per ``log_interval_s``."""
+        if k != decided:
+            log.debug("speculation: probing %d drafts at batch %d", k, batch_size)
+        elif self._last_k is not None and k != self._last_k:
+            log.debug("speculation: %d drafts per step at batch %d (was %d)", k, batch_size, self._last_k)
+        if self._last_decided is not None and decided != self._last_decided:
+            self._changes += 1
+        self._last_decided = decided
+        if decided == self._logged_k:
+            return
+        now = self.clock()
+        if self._logged_at is not None and now - self._logged_at < self.log_interval_s:
+            return  # said at the first step past the interval, if it still differs then
+        extra = f"; {self._changes} changes since the last report" if self._changes > 1 else ""
+        log.info("speculation: %d drafts per step at batch %d (was %d%s)", decided, batch_size, self._logged_k, extra)
+        self._logged_k, self._logged_at, self._changes = decided, now, 0
 
     def _best(self, bucket: int, batch_size: int) -> int:
         base = self._cost(bucket, 1)

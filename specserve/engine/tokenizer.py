@@ -8,6 +8,9 @@ that opens a turn of its own.  The contents are located in the rendered text by
 rendering the template once more with markers in their place; a template that
 rewrites contents beyond trimming them hides where they are, and then a content
 that spells a control token is refused (``messages[i].content``).
+
+Roles: system, developer, user, assistant, tool.  ``developer`` is OpenAI's newer
+name for system: a template that never mentions it renders it as ``system``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import Any
 
 from specserve.errors import InvalidRequestError
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's newer name for the system role: a template that does not know it gets "system".
+DEVELOPER_ROLE, DEVELOPER_FALLBACK = "developer", "system"
 CONTEXT_TOKENS = 5  # prompt tokens decoded before the output (as the detokenizer does)
 
 
@@ -65,7 +70,32 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids the tokenizer knows (added tokens included)."""
+        return len(self.hf)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (vLLM's ``token_strs``)."""
+        return [t if t is not None else "" for t in self.hf.convert_ids_to_tokens(list(ids))]
+
+    def with_special_tokens(self, ids: list[int]) -> list[int]:
+        """``ids`` with the special tokens the tokenizer adds around a text (e.g. BOS) added,
+        as ``encode(text, add_special_tokens=True)`` adds them."""
+        bare = self.encode("a", add_special_tokens=False)
+        full = self.encode("a", add_special_tokens=True)
+        for k in range(len(full) - len(bare) + 1):
+            if full[k:k + len(bare)] == bare:
+                return full[:k] + list(ids) + full[k + len(bare):]
+        return list(ids)
+
+    def _template_roles(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """``messages`` with the developer role renamed to system for a template that lacks it."""
+        if DEVELOPER_ROLE in str(getattr(self.hf, "chat_template", None) or ""):
+            return messages
+        return [{**m, "role": DEVELOPER_FALLBACK} if m["role"] == DEVELOPER_ROLE else m for m in messages]
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
         for i, m in enumerate(messages):
@@ -80,9 +110,10 @@ class Tokenizer:
                 raise InvalidRequestError(f"messages[{i}].content", "must be a string")
         if not getattr(self.hf, "chat_template", None):
             raise InvalidRequestError("messages", "this model has no chat template; send a prompt instead")
+        messages = self._template_roles(messages)
         contents = [m["content"] for m in messages]
-        text = self._render(messages, contents)
-        spans = _content_spans(text, self._render_marked(messages), contents)
+        text = self._render(messages, contents, add_generation_prompt)
+        spans = _content_spans(text, self._render_marked(messages, add_generation_prompt), contents)
         if spans is not None:
             return self._encode_rendered(text, spans)
         # The template rewrites contents (beyond trimming), so where they lie is unknown:
@@ -96,11 +127,11 @@ class Tokenizer:
                     )
         return self.encode(text, add_special_tokens=False)  # the template holds any BOS it wants
 
-    def _render(self, messages: list[dict[str, str]], contents: list[str]) -> str:
+    def _render(self, messages: list[dict[str, str]], contents: list[str], add_generation_prompt: bool = True) -> str:
         convo = [{"role": m["role"], "content": c} for m, c in zip(messages, contents)]
-        return self.hf.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
+        return self.hf.apply_chat_template(convo, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def _render_marked(self, messages: list[dict[str, str]]) -> list[str] | None:
+    def _render_marked(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[str] | None:
         """The template rendered with a marker in place of each content, split at the
         markers: [markup, message index, markup, ..., markup]; None if the template
         altered a marker (digits and private-use characters: case changes and trimming
@@ -109,7 +140,8 @@ class Tokenizer:
             nonce = f"{uuid.uuid4().int % 10**12:012d}"
             if not any(nonce in m["content"] for m in messages):
                 break
-        marked = self._render(messages, [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))])
+        marked = self._render(messages, [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))],
+                              add_generation_prompt)  # fmt: skip
         pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", marked)
         return None if any(nonce in p for p in pieces[::2]) else pieces
 

@@ -60,7 +60,7 @@ class PagedKernelArgs:
     max_seq_len: int
     num_splits: int = 1
     scratch: tuple[Tensor, Tensor] | None = None
-    impl: str = "auto"  # "triton" on CUDA; "torch" = the twin (CPU checks)
+    impl: str = "auto"  # "triton", or "torch" = the twin: what the runner's start-up check chose
     window: int | None = None  # sliding window
 
 

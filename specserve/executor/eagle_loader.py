@@ -215,14 +215,17 @@ def _rope_config(layer: dict) -> Any:
     return LlamaConfig(**keep)
 
 
-def read_head(path: str, method: str, key: str = "method.model") -> HeadCheckpoint:
-    """Read a head directory (no target needed): its layout, config and tensors."""
+def read_head(path: str, method: str, key: str = "method.model", tensors: dict[str, Tensor] | None = None,
+              ) -> HeadCheckpoint:
+    """Read a head directory (no target needed): its layout, config and tensors.
+    ``tensors``: the directory's tensors already read (meta tensors from the headers
+    for a memory declaration), instead of reading them here."""
     d = resolve_head_dir(path, key)
     try:
         cfg = json.loads((d / "config.json").read_text())
     except ValueError as e:
         raise ConfigError(key, f"{d}/config.json is not valid JSON ({e})") from None
-    raw = read_tensors(d, key)
+    raw = read_tensors(d, key) if tensors is None else tensors
     layout, kind = _layout_and_kind(cfg, set(raw))
     if kind != method:
         other = "eagle3" if kind == "eagle3" else "eagle"

@@ -1,33 +1,53 @@
 """The step runner with persistent buffers: the CUDA data path.
 
-Per step the host writes the ``StepBatch`` into ONE pinned staging buffer
+Per step the host writes the ``StepBatch`` into a pinned staging buffer
 (int32: token ids, positions, slots, logits rows, query starts, context
 lengths, block tables, at fixed offsets), and ONE non-blocking copy moves it to
-the same layout on the device.  The forward reads only slices of those device
-buffers whose shapes are fixed by Python ints, and attention is the paged
-Triton kernel reading block tables directly (``kernels.paged_attention``), so
-nothing in a step allocates from the host or waits for the device.
+the same layout on the device.  That copy reads the host buffer when the stream
+reaches it, so ``StagingBuffer`` alternates two host buffers and rewrites one
+only after the event recorded behind its previous copy (two steps ago) has
+completed: steps that sample nothing (the chunks of a long prompt) run without
+a host synchronisation and still cannot overwrite a step the device has not
+read yet.  The forward reads only slices of the device buffers whose shapes
+are fixed by Python ints, and attention is the paged Triton kernel reading
+block tables directly (``kernels.paged_attention``), so nothing in a step
+allocates from the host or waits for the device beyond that event.
 
 Steps whose shape is fixed by the batch size -- a decode step (every sequence
 1 new token) and a uniform verification step (every sequence q = K'+1 tokens,
 shorter drafts padded) -- are captured as CUDA graphs for batch buckets
 1, 2, 4, ..., max_num_seqs and each captured q; a step replays the smallest
-bucket that fits.  Padding rows of a bucket are sequences with no tokens
-(qlen 0), whose K/V writes go to the cache's trash slot.  Mixed steps (prefill
-chunks) run the same function eagerly.
+bucket that fits.  Every graph writes its logits, hidden and aux states into ONE
+set of output buffers sized for the largest (a graph's own outputs would stay
+alive in the pool, one set per graph).  Padding rows of a bucket are sequences
+with no tokens (qlen 0), whose K/V writes go to the cache's trash slot.  Mixed
+steps (prefill chunks) run the same function eagerly.
+
+Start-up never lets a kernel take the server down.  The attention backend --
+the Triton kernels or their torch twin -- is chosen on this model's geometry by
+a check against the twin (``kernels.backends``); ``warm_up`` (run first by
+``capture``, graphs or not) then compiles every Triton binary the runner can
+launch (``kernels.specializations``: nothing compiles while serving), and a
+binary that does not compile switches the runner to the twin.  A graph whose
+capture fails leaves its (bucket, q) step eager.  Each of these logs one
+warning line.
 
 On the CPU this runner is used by tests with the kernel's torch twin: the same
 step function, checked to compile with ``torch.compile(fullgraph=True)``
-(no graph break = no host synchronisation or data-dependent shape).
+(no graph break = no host synchronisation or data-dependent shape), and, given
+a ``transfer``, with a separate device buffer fed by that copier (a device
+double that runs copies as late as a GPU may); given ``graphs_api``, with a
+graph double (capture records the step, replay reruns it).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,18 +55,14 @@ from specserve.executor.attention import AttentionMetadata, PagedKernelArgs
 from specserve.executor.batch import StepBatch
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel
+from specserve.executor.staging import StagingBuffer, Transfer
+from specserve.kernels.backends import BackendChoice, choose_attention, fall_back
+from specserve.kernels.launches import Launch
+from specserve.kernels.specializations import AttentionGeometry, batch_buckets, runner_launches, runner_step_shapes
 
 log = logging.getLogger(__name__)
 
-
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, ... up to and including max_num_seqs."""
-    out, b = [], 1
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
-    out.append(max_num_seqs)
-    return out
+__all__ = ["CudaGraphs", "StaticStepRunner", "StepResult", "batch_buckets"]
 
 
 @dataclass
@@ -56,27 +72,22 @@ class StepResult:
     aux: dict[int, Tensor]  # layer id -> (T, H) residual stream entering that layer (T >= batch tokens)
 
 
-class StagingBuffer:
-    """Named int32 fields packed in ONE host buffer (pinned on CUDA) and its device twin
-    (the same buffer on the CPU): the host writes the fields through numpy views
-    (``h``), the device reads tensor views (``d``), and ``upload`` is the one
-    host -> device copy between them."""
+class CudaGraphs:
+    """How the runner makes graphs: CUDA's, in one memory pool (the seam where tests put a
+    double that captures by recording the step function and replays it eagerly)."""
 
-    def __init__(self, sizes: list[tuple[str, int]], device: torch.device):
-        total = sum(n for _, n in sizes)
-        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.dev = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
-        self.h: dict[str, np.ndarray] = {}
-        self.d: dict[str, Tensor] = {}
-        at = 0
-        for name, n in sizes:
-            self.h[name] = self.host[at : at + n].numpy()
-            self.d[name] = self.dev[at : at + n]
-            at += n
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
 
-    def upload(self) -> None:
-        if self.dev is not self.host:
-            self.dev.copy_(self.host, non_blocking=True)
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def capture(self, fn: Callable[[], StepResult]) -> tuple[Any, StepResult]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph, out
 
 
 class StaticStepRunner:
@@ -89,8 +100,10 @@ class StaticStepRunner:
         max_num_tokens: int,
         graph_query_lens: tuple[int, ...] = (1,),
         aux_layer_ids: tuple[int, ...] = (),
-        attention_impl: str = "auto",
+        attention_impl: str | BackendChoice = "auto",
         use_graphs: bool | None = None,
+        transfer: Transfer | None = None,
+        graphs_api: Callable[[], Any] | None = None,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -106,18 +119,33 @@ class StaticStepRunner:
         # Uniform steps of the largest bucket and q must fit too.
         self.max_tokens = max(max_num_tokens, max_num_seqs * max(self.graph_query_lens))
         self.aux_layer_ids = tuple(aux_layer_ids)
-        self.impl = attention_impl
+        # the kernels or their torch twin: checked on this geometry at start-up (kernels.backends),
+        # or a choice the caller checked on it already
+        if isinstance(attention_impl, BackendChoice):
+            self.attention = attention_impl
+        elif attention_impl in ("auto", "triton", "torch"):
+            a = self.a
+            self.attention = choose_attention(attention_impl, self.device, loaded.dtype, a.num_heads, a.num_kv_heads,
+                                              a.head_dim, self.block_size, a.sliding_window)
+        else:
+            raise ValueError(f"attention_impl: must be 'auto', 'triton' or 'torch', got {attention_impl!r}")
+        self.impl = self.attention.used
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        if self.use_graphs and self.device.type != "cuda":
+        # ``graphs_api``: makes the graph maker (default CudaGraphs; tests: a CPU double)
+        if self.use_graphs and self.device.type != "cuda" and graphs_api is None:
             raise ValueError("use_graphs: CUDA graphs need a CUDA device")
+        self.graphs_api = graphs_api if graphs_api is not None else (lambda: CudaGraphs(self.device))
+        self.warmed_up = False
+        self.warm_up_s = 0.0
+        self.eager_keys: list[tuple[int, int]] = []  # graph keys whose capture failed: they run eagerly
         B, T = max_num_seqs, self.max_tokens
+        # ``transfer``: on the CPU, a separate device buffer filled by that copier (tests)
         self.staging = StagingBuffer([("ids", T), ("pos", T), ("slots", T), ("rows", T), ("qs", B + 1),
-                                      ("lens", B), ("tables", B * self.max_blocks)], self.device)
-        self.h_np, self.d = self.staging.h, self.staging.d
-        self.tables = self.d["tables"].view(max_num_seqs, self.max_blocks)
-        self.h_tables = self.h_np["tables"].reshape(max_num_seqs, self.max_blocks)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, StepResult]] = {}
-        self.graph_pool = None
+                                      ("lens", B), ("tables", (B, self.max_blocks))], self.device, transfer)
+        self.d = self.staging.d
+        self.tables = self.d["tables"]
+        self.graphs: dict[tuple[int, int], tuple[Any, StepResult]] = {}  # (bucket, q) -> (graph, outputs)
+        self.outputs: StepResult | None = None  # the graphs' shared output buffers (capture)
         self._scratch: tuple[Tensor, Tensor] | None = None
         self.capture_s = 0.0
 
@@ -126,7 +154,7 @@ class StaticStepRunner:
         """Write ``batch`` into the staging buffer, padded to num_seqs sequences and
         num_tokens tokens (padding: qlen 0, context 0, K/V to the trash slot)."""
         T, B = batch.num_tokens, batch.num_seqs
-        h = self.h_np
+        h = self.staging.acquire()  # a host buffer no copy in flight still reads
         h["ids"][:T] = batch.token_ids
         h["pos"][:T] = batch.positions
         h["slots"][:T] = batch.slot_mapping
@@ -141,10 +169,10 @@ class StaticStepRunner:
         h["lens"][:B] = batch.seq_lens
         h["lens"][B:num_seqs] = 0
         for b, table in enumerate(batch.block_tables):
-            self.h_tables[b, : len(table)] = table
+            h["tables"][b, : len(table)] = table
 
     def _upload(self) -> None:
-        self.staging.upload()  # the step's one host -> device copy
+        self.staging.upload()  # the step's one host -> device copy (non-blocking)
 
     # ------------------------------------------------------------------ device side
     def _num_splits(self, num_seqs: int, q: int) -> int:
@@ -164,9 +192,12 @@ class StaticStepRunner:
             self._scratch = make_split_scratch(16, max_decode_tokens, self.a.num_heads, self.a.head_dim, self.device)
         return self._scratch
 
-    def step_fn(self, num_seqs: int, num_tokens: int, max_query_len: int, num_rows: int | None) -> StepResult:
+    def step_fn(self, num_seqs: int, num_tokens: int, max_query_len: int, num_rows: int | None,
+                out: StepResult | None = None) -> StepResult:
         """The forward over the static buffers: shapes fixed by these ints only.
-        ``num_rows`` None = logits of every token row (uniform steps)."""
+        ``num_rows`` None = logits of every token row (uniform steps).  ``out``: the
+        shared output buffers (``alloc_outputs``): the results are written into their
+        first rows and views of them returned (what captured graphs do)."""
         d = self.d
         ids = d["ids"][:num_tokens].long()
         pos = d["pos"][:num_tokens].long()
@@ -179,7 +210,24 @@ class StaticStepRunner:
         meta = AttentionMetadata(slot_mapping=d["slots"][:num_tokens].long(), kernel=kargs)
         hidden, aux = self.model(ids, pos, meta, self.kv, self.aux_layer_ids)
         sel = hidden if num_rows is None else hidden.index_select(0, d["rows"][:num_rows].long())
-        return StepResult(self.model.compute_logits(sel), sel, aux)
+        if out is None:
+            return StepResult(self.model.compute_logits(sel), sel, aux)
+        n = sel.shape[0]
+        logits = self.model.compute_logits(sel, out=out.logits[:n])  # no float32 temporary
+        return StepResult(logits, out.hidden[:n].copy_(sel),
+                          {i: out.aux[i][: t.shape[0]].copy_(t) for i, t in aux.items()})
+
+    def alloc_outputs(self) -> StepResult:
+        """ONE set of output buffers for every captured graph, sized for the largest
+        (bucket x q rows): a graph's outputs would otherwise stay alive in the pool, one
+        set per graph (``engine.memory.graph_output_bytes`` counts this one)."""
+        rows = self.max_num_seqs * max(self.graph_query_lens)
+        a, dev, dt = self.a, self.device, self.loaded.dtype
+        return StepResult(
+            logits=torch.empty(rows, a.vocab_size, dtype=torch.float32, device=dev),  # (R, V)
+            hidden=torch.empty(rows, a.hidden_size, dtype=dt, device=dev),  # (R, H)
+            aux={i: torch.empty(rows, a.hidden_size, dtype=dt, device=dev) for i in self.aux_layer_ids},
+        )
 
     # ------------------------------------------------------------------ public
     def graph_key(self, batch: StepBatch) -> tuple[int, int] | None:
@@ -216,14 +264,65 @@ class StaticStepRunner:
         rows = None if q is not None else len(batch.logits_rows)
         return self.step_fn(batch.num_seqs, batch.num_tokens, batch.max_query_len, rows)
 
+    # ------------------------------------------------------------------ start-up
+    def kernel_launches(self) -> list[Launch]:
+        """One launch per Triton binary this runner can launch: every step shape it accepts
+        (``kernels.specializations``), the same binaries whatever the step's sizes."""
+        from specserve.kernels.launches import interpreter_active
+
+        a = self.a
+        g = AttentionGeometry(a.num_heads, a.num_kv_heads, a.head_dim, self.block_size, a.sliding_window,
+                              self.loaded.dtype)
+        shapes = runner_step_shapes(g, max_num_seqs=self.max_num_seqs, max_tokens=self.max_tokens,
+                                    graph_query_lens=self.graph_query_lens, max_seq_len=self.max_seq_len,
+                                    split_kv=self.device.type == "cuda")
+        return runner_launches(g, shapes, self.device, interpreter_active())
+
+    def warm_up(self, progress: bool = True) -> int:
+        """Compile every Triton binary this runner can launch before the first step (with
+        a Triton cache from an earlier start, TRITON_CACHE_DIR, each is a load), so none
+        compiles while serving.  A binary that does not compile switches the runner to
+        the torch twin (one warning).  Returns the number of binaries."""
+        if self.impl != "triton" or self.warmed_up:
+            return 0
+        from specserve.kernels.launches import compile_only
+
+        t0 = time.perf_counter()
+        launches = self.kernel_launches()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(launches), desc="compiling Triton kernels", unit="kernel")
+        try:
+            for launch in launches:
+                compile_only(launch)
+                if bar is not None:
+                    bar.update(1)
+        except Exception as exc:  # any compiler or launcher failure: the twin serves instead
+            self.attention = fall_back(self.attention, f"to compile {launch.kernel.name}", exc)
+            self.impl = "torch"
+            return 0
+        finally:
+            if bar is not None:
+                bar.close()
+        self.warmed_up = True
+        self.warm_up_s = time.perf_counter() - t0
+        log.info("compiled %d Triton binaries (attention, KV write) in %.1f s", len(launches), self.warm_up_s)
+        return len(launches)
+
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:
-        """Capture a graph for every (bucket, q), largest first so smaller ones reuse
-        the pool's memory.  Dummy steps write only to the trash slot."""
+        """Compile every kernel binary (:meth:`warm_up`), then capture a graph for every
+        (bucket, q), largest first so smaller ones reuse the pool's memory; every graph
+        writes its outputs into the same buffers.  Dummy steps write only to the trash
+        slot.  A key whose capture fails runs eagerly (one warning for all such keys)."""
+        self.warm_up(progress)
         if not self.use_graphs:
             return
         t0 = time.perf_counter()
-        self.graph_pool = torch.cuda.graph_pool_handle()
+        maker = self.graphs_api()
+        self.outputs = self.alloc_outputs()
         keys = [(b, q) for q in self.graph_query_lens for b in self.buckets]
         keys.sort(key=lambda k: k[0] * k[1], reverse=True)
         bar = None
@@ -231,25 +330,35 @@ class StaticStepRunner:
             from tqdm import tqdm
 
             bar = tqdm(total=len(keys), desc="capturing CUDA graphs", unit="graph")
-        for bucket, q in keys:
-            dummy = self._dummy_batch(bucket, q)
-            self._stage(dummy, bucket, bucket * q)
-            self._upload()
-            for _ in range(2):  # warm up (Triton compiles, cuBLAS picks kernels) outside capture
-                self.step_fn(bucket, bucket * q, q, None)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool):
-                out = self.step_fn(bucket, bucket * q, q, None)
-            self.graphs[(bucket, q)] = (graph, out)
+        failed: list[tuple[tuple[int, int], Exception]] = []
+        for key in keys:
+            try:
+                self.graphs[key] = self._capture_one(maker, *key)
+            except Exception as exc:  # this key runs eagerly; the others keep their graphs
+                failed.append((key, exc))
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        torch.cuda.synchronize(self.device)
+        maker.synchronize()
         self.capture_s = time.perf_counter() - t0
+        self.eager_keys = [k for k, _ in failed]
+        if failed:
+            exc = failed[0][1]
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            log.warning("CUDA graph capture failed for %d of %d (batch, q) keys %s (first: %s: %s); those steps "
+                        "run eagerly", len(failed), len(keys), self.eager_keys, type(exc).__name__, first)
         log.info("captured %d CUDA graphs (batch buckets %s x q %s) in %.1f s",
                  len(self.graphs), self.buckets, list(self.graph_query_lens), self.capture_s)
+
+    def _capture_one(self, maker, bucket: int, q: int) -> tuple[Any, StepResult]:
+        dummy = self._dummy_batch(bucket, q)
+        self._stage(dummy, bucket, bucket * q)
+        self._upload()
+        for _ in range(2):  # warm up (cuBLAS picks kernels, allocator pools fill) outside capture
+            self.step_fn(bucket, bucket * q, q, None, self.outputs)
+        maker.synchronize()
+        return maker.capture(lambda: self.step_fn(bucket, bucket * q, q, None, self.outputs))
 
     def _dummy_batch(self, num_seqs: int, q: int) -> StepBatch:
         trash = self.kv.trash_slot
@@ -277,16 +386,25 @@ class StaticStepRunner:
         return out
 
 
-def cuda_kv_budget_bytes(
-    loaded: LoadedModel, max_num_tokens: int, block_size: int, utilization: float, graph_tokens: int
-) -> int:
-    """Bytes left for the KV cache: utilization x the device's memory, minus what this
-    process holds now (weights), minus the peak activation memory of a step of
-    ``max_num_tokens`` tokens (measured: a dummy prefill of that size), minus an
-    allowance for the CUDA graphs' pool (the largest captured step's activations and
-    logits, ``graph_tokens`` rows, counted twice for the pool's fragmentation)."""
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What ``profile_cuda_memory`` measured (bytes)."""
+
+    total_bytes: int  # the device's memory
+    held_bytes: int  # what this process holds now (the target's weights)
+    activation_bytes: int  # peak of an eager step of ``max_tokens`` tokens with logits of every row
+    verify_bytes: int  # peak of verifying max_num_seqs x (K+1) rows with every filter on
+
+
+def profile_cuda_memory(loaded: LoadedModel, max_tokens: int, block_size: int, max_num_seqs: int,
+                        k: int) -> DeviceProfile:
+    """Measure, before the KV cache exists, the transients ``engine.memory`` budgets: a
+    dummy prefill of ``max_tokens`` tokens (the largest eager step) whose logits are
+    wanted at every row (prompt_logprobs steps), and one verification of
+    max_num_seqs x (K+1) sampled rows with temperature, top-k, top-p and min-p."""
     from specserve.executor.batch import SeqInput
     from specserve.executor.runner import ModelRunner
+    from specserve.sampling.sampler import RequestTensors, SamplerFlags, verify_step
 
     dev = loaded.device
     a = loaded.arch
@@ -294,22 +412,26 @@ def cuda_kv_budget_bytes(
     torch.cuda.empty_cache()
     _, total = torch.cuda.mem_get_info(dev)
     held = torch.cuda.memory_allocated(dev)
-    blocks = -(-max_num_tokens // block_size) + 1
+    blocks = -(-max_tokens // block_size) + 1
     scratch = KVCache(a.num_layers, blocks, block_size, a.num_kv_heads, a.head_dim, loaded.dtype, dev)
     runner = ModelRunner(loaded, scratch, cpu_kernel="torch")
+    base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    ids = [0] * max_num_tokens
-    runner.forward([SeqInput(ids, 0, list(range(blocks)), [max_num_tokens - 1])])
+    runner.forward([SeqInput([0] * max_tokens, 0, list(range(blocks)), list(range(max_tokens)))])
     torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - held - scratch.data.numel() * scratch.data.element_size()
+    activations = torch.cuda.max_memory_allocated(dev) - base
     del runner, scratch
+    B, K1 = max_num_seqs, k + 1
+    logits = torch.randn(B * K1, a.vocab_size, device=dev)  # (B*(K+1), V): the graph output, counted apart
+    req = RequestTensors.build([1.0] * B, [50] * B, [0.9] * B, [0.05] * B, list(range(B)), [0] * B, dev)
+    req.flags = SamplerFlags.conservative()
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    # the torch twin: its temporaries bound the kernel's, and no Triton kernel runs before its check
+    verify_step(logits, torch.arange(B * K1, device=dev).view(B, K1), torch.zeros(B, k, dtype=torch.int64, device=dev),
+                torch.full((B,), k, dtype=torch.int64, device=dev), req, use_kernel=False)
+    torch.cuda.synchronize(dev)
+    verify = torch.cuda.max_memory_allocated(dev) - base
+    del logits, req
     torch.cuda.empty_cache()
-    elem = torch.empty((), dtype=loaded.dtype).element_size()
-    graph_reserve = 2 * graph_tokens * (a.vocab_size * 4 + 8 * a.hidden_size * elem + 4 * a.intermediate_size * elem)
-    budget = int(utilization * total) - held - max(peak, 0) - graph_reserve
-    log.info(
-        "GPU memory: %.2f GiB total x %.2f; weights %.2f GiB, step peak %.2f GiB, graph allowance %.2f GiB -> "
-        "KV %.2f GiB", total / 2**30, utilization, held / 2**30, peak / 2**30, graph_reserve / 2**30,
-        max(budget, 0) / 2**30,
-    )
-    return max(budget, 0)
+    return DeviceProfile(int(total), int(held), int(max(activations, 0)), int(max(verify, 0)))

@@ -1,5 +1,10 @@
 """Triton kernels, each with a torch reference twin elsewhere in the package.
 
+``paged_attention`` and ``rejection_kernel`` hold the kernels; ``launches`` runs,
+compiles and names their binaries; ``specializations`` lists every binary an
+engine can launch (compiled at start-up); ``backends`` chooses Triton or the
+twin after a start-up check; ``aot`` compiles the list for GPUs without one.
+
 Nothing here imports triton at import time: ``import specserve.kernels`` works
 where triton is missing, and :func:`triton_available` says whether the kernels
 can be used.

@@ -76,6 +76,14 @@ KV write kernel (``_write_kv_kernel``).  Grid (T,): one program copies one
 token's (nkv, hd) K and V rows into slot slot_mapping[t]; a negative slot is
 padding and is skipped.
 
+Binaries.  Triton compiles one binary per specialization; the ints that vary
+from step to step (batch size, split count, the binary search's steps, table
+widths, q's layout) are not specialised on (``ATTN``, ``REDUCE``, ``WRITE_KV``),
+so a model and dtype need one binary per tile plan (BLOCK_Q, FLAT, SPLIT) and
+the reduce one for any split count (SPLITS_PAD = 16).  :func:`step_launches`
+gives the launches of a step's ints on stand-in tensors: what the start-up
+warm-up compiles.  fp32 tiles are 16 x 16 (CUDA-core dots; larger ones spill).
+
 Torch twins (:func:`paged_attention_reference`, :func:`write_kv_reference`)
 compute the same things by gathering slots from the block tables and a masked
 fp32 softmax; they run anywhere and are what the dispatchers use off CUDA.
@@ -97,6 +105,9 @@ import functools
 import torch
 from torch import Tensor
 
+from specserve.kernels.launches import KernelDef, Launch
+from specserve.kernels.launches import run as run_launch
+
 try:
     import triton
     import triton.language as tl
@@ -111,6 +122,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_reference",
     "paged_attention_triton",
+    "step_launches",
     "write_kv",
     "write_kv_reference",
     "write_kv_triton",
@@ -141,6 +153,7 @@ def _attn_kernel(
     num_seqs,  # B
     qb_per_seq,  # query tiles per sequence (seq-major numbering; unused when FLAT)
     num_splits,
+    search_steps,  # ceil(log2(B)) for the FLAT binary search (extra steps are harmless)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kt, stride_kh,
@@ -157,7 +170,6 @@ def _attn_kernel(
     BLOCK_N: tl.constexpr,  # keys per inner step
     PAGE: tl.constexpr,  # KV cache block size (power of two)
     FLAT: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,  # ceil(log2(B)) for the FLAT binary search
     SLIDING: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -172,7 +184,7 @@ def _attn_kernel(
         # largest b with qsl[b] // BLOCK_Q + b <= pid (the tile starts are increasing in b)
         lo = pid * 0
         hi = lo + num_seqs
-        for _ in tl.static_range(SEARCH_STEPS):
+        for _ in range(search_steps):
             mid = (lo + hi) // 2
             go = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid
             lo = tl.where(go, mid, lo)
@@ -339,18 +351,26 @@ def _write_kv_kernel(
 
 # --------------------------------------------------------------------------- launch helpers
 
+# Ints that change from step to step or runner to runner are not specialised on (an int
+# equal to 1 would otherwise be compiled in as a constant, and one divisible by 16
+# would get its own binary): a batch of one sequence, a window, a split count or a
+# block-table width must not compile a new binary while serving.  q's row stride and
+# address, and k/v's in the KV write, are the model's projection layout (views of one
+# qkv output), so those are not specialised on either.
+ATTN = KernelDef(
+    _attn_kernel,
+    do_not_specialize=("window", "num_seqs", "qb_per_seq", "num_splits", "search_steps", "stride_qt", "stride_bt",
+                       "stride_ps", "stride_ls"),
+    do_not_specialize_on_alignment=("q_ptr",),
+)
+REDUCE = KernelDef(_reduce_kernel, do_not_specialize=("num_seqs", "num_splits", "stride_ps", "stride_ls"))
+WRITE_KV = KernelDef(_write_kv_kernel, do_not_specialize=("num_kv_heads", "stride_kt", "stride_vt"),
+                     do_not_specialize_on_alignment=("k_ptr", "v_ptr"))
+
 
 def interpreter_active() -> bool:
     """True when triton was imported with TRITON_INTERPRET=1 (needed for CPU tensors)."""
     return triton is not None and type(tl.sum).__name__ == "InterpretedFunction"
-
-
-@functools.cache
-def _jitted(name: str, interpreted: bool):
-    kernel = triton.jit({"attn": _attn_kernel, "reduce": _reduce_kernel, "write_kv": _write_kv_kernel}[name])
-    if (type(kernel).__name__ == "InterpretedFunction") != interpreted:
-        raise RuntimeError("paged attention: TRITON_INTERPRET changed after triton was imported")
-    return kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -363,20 +383,26 @@ def _cdiv(a: int, b: int) -> int:
 
 def _tile_plan(
     num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int,
-    block_q: int | None = None, block_n: int | None = None,
+    block_q: int | None = None, block_n: int | None = None, dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
-    """Tile sizes, query-tile numbering and grid for one launch; Python ints in, Python ints out."""
+    """Tile sizes, query-tile numbering and grid for one launch; Python ints in, Python ints out.
+
+    bf16/fp16 tiles target 128 rows (64 with head_dim >= 128).  fp32 dots run on the CUDA
+    cores ("ieee"), whose operands and accumulator all live in registers: tiles of 16 rows
+    by 16 keys, which ptxas fits without spilling on sm_80 and sm_90 (32 keys spill on
+    sm_90 at head_dim 128; docs/benchmarks/triton-aot/)."""
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
     hd_pad = max(16, _next_pow2(head_dim))
+    fp32 = dtype == torch.float32
     if block_q is None:
-        rows = 64 if hd_pad >= 128 else 128  # target rows per tile for multi-query tiles
+        rows = 16 if fp32 else 64 if hd_pad >= 128 else 128  # target rows per tile for multi-query tiles
         block_q = min(_next_pow2(max(max_query_len, 1)), max(1, rows // group_pad))
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError(f"block_q: must be a power of two, got {block_q}")
     block_m = max(16, block_q * group_pad)
     if block_n is None:
-        block_n = 32 if (block_m >= 64 and hd_pad >= 128) else 64
+        block_n = 16 if fp32 else 32 if block_m >= 64 and hd_pad >= 128 else 64
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n: must be a power of two >= 16, got {block_n}")
     qb_per_seq = _cdiv(max(max_query_len, 1), block_q)
@@ -385,10 +411,85 @@ def _tile_plan(
     use_flat = flat < seq_major
     return dict(
         GROUP=group, GROUP_PAD=group_pad, HD_PAD=hd_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        FLAT=use_flat, SEARCH_STEPS=max(num_seqs - 1, 0).bit_length(), qb_per_seq=qb_per_seq,
-        num_q_tiles=flat if use_flat else seq_major,
+        FLAT=use_flat, qb_per_seq=qb_per_seq, num_q_tiles=flat if use_flat else seq_major,
         num_warps=8 if block_m >= 128 else 4,
     )
+
+
+def _attention_launches(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, block_tables: Tensor, query_start_loc: Tensor,
+    seq_lens: Tensor, scratch: tuple[Tensor, Tensor] | None, *, num_tokens: int, num_seqs: int,
+    max_query_len: int, num_splits: int, block_size: int, scale: float, sliding_window: int | None,
+    interpreted: bool, block_q: int | None = None, block_n: int | None = None,
+) -> list[Launch]:
+    """The attention launch (and the split-KV reduce) for a step of these ints."""
+    T, B = num_tokens, num_seqs
+    nh, hd = q.shape[1], q.shape[2]
+    nkv = k_cache.shape[1]
+    plan = _tile_plan(T, B, nh, nkv, hd, max_query_len, block_q, block_n, q.dtype)
+    num_q_tiles, qb_per_seq, num_warps = plan.pop("num_q_tiles"), plan.pop("qb_per_seq"), plan.pop("num_warps")
+    split = num_splits > 1
+    part_o, part_lse = scratch if split else (out, out)  # never touched without splits
+    sp = part_o.stride() if split else (0, 0, 0, 0)
+    sl = part_lse.stride() if split else (0, 0, 0)
+    search_steps = max(B - 1, 0).bit_length() if plan["FLAT"] else 0
+    attn = Launch(
+        ATTN, (num_q_tiles, nkv, num_splits),
+        (q, k_cache, v_cache, out, part_o, part_lse, block_tables, query_start_loc, seq_lens,
+         float(scale) * _LOG2E, sliding_window or 0, B, qb_per_seq, num_splits, search_steps,
+         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), sp[0], sp[1], sp[2], sl[0], sl[1]),
+        dict(HEAD_DIM=hd, PAGE=block_size, SLIDING=sliding_window is not None, SPLIT=split,
+             DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+             DOT_UPCAST=interpreted and q.dtype != torch.float32, **plan),
+        {"num_warps": num_warps},
+    )
+    if not split:
+        return [attn]
+    reduce = Launch(
+        REDUCE, (T, nh),
+        (out, part_o, part_lse, query_start_loc, B, num_splits, out.stride(0), out.stride(1),
+         sp[0], sp[1], sp[2], sl[0], sl[1]),
+        # one binary for every split count: the reduce masks the splits past num_splits
+        dict(HEAD_DIM=hd, HD_PAD=plan["HD_PAD"], SPLITS_PAD=_MAX_SPLITS),
+        {"num_warps": 4},
+    )
+    return [attn, reduce]
+
+
+def _write_kv_launch(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Launch:
+    T, nkv, hd = k.shape
+    return Launch(
+        WRITE_KV, (T,),
+        (k, v, k_cache, v_cache, slot_mapping, nkv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1)),
+        dict(HEAD_DIM=hd, HD_PAD=_next_pow2(hd), KV_PAD=_next_pow2(nkv)),
+        {"num_warps": 4},
+    )
+
+
+def step_launches(
+    num_seqs: int, num_tokens: int, max_query_len: int, num_splits: int, *, num_heads: int, num_kv_heads: int,
+    head_dim: int, block_size: int, sliding_window: int | None, dtype: torch.dtype, device: torch.device | str,
+    interpreted: bool = False,
+) -> list[Launch]:
+    """Every launch of one step of these ints (KV write, attention, split-KV reduce), on
+    tiny stand-in tensors of the geometry: the same binaries as any real step of these
+    ints, since the sizes that differ (token rows, cache slots, table widths) are not
+    specialised on.  For compiling at start-up and ahead of time."""
+    dev = torch.device(device)
+    nh, nkv, hd = num_heads, num_kv_heads, head_dim
+    q = torch.zeros(1, nh, hd, dtype=dtype, device=dev)
+    kv = torch.zeros(1, nkv, hd, dtype=dtype, device=dev)
+    cache = torch.zeros(block_size, nkv, hd, dtype=dtype, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    scratch = make_split_scratch(1, 1, nh, hd, dev) if num_splits > 1 else None
+    write = _write_kv_launch(kv, kv, cache, cache, torch.zeros(1, dtype=torch.int64, device=dev))
+    return [write, *_attention_launches(
+        q, cache, cache, torch.zeros_like(q), torch.zeros(1, 1, **i32), torch.zeros(2, **i32), torch.zeros(1, **i32),
+        scratch, num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=max_query_len, num_splits=num_splits,
+        block_size=block_size, scale=1.0, sliding_window=sliding_window, interpreted=interpreted,
+    )]
 
 
 @functools.cache
@@ -520,13 +621,12 @@ def paged_attention_triton(
         out = torch.zeros_like(q)
     if T == 0 or B == 0 or max_query_len == 0:
         return out
-    plan = _tile_plan(T, B, nh, nkv, hd, max_query_len, block_q, block_n)
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
         num_splits = default_num_splits(B, nh, nkv, hd, max_query_len, bound,
                                         _num_sms(q.device.index or 0) if q.is_cuda else None)
-    if num_splits < 1:
-        raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
+    if not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits: must be in 1..{_MAX_SPLITS}, got {num_splits}")
     split = num_splits > 1
     if split:
         if scratch is None:
@@ -542,38 +642,12 @@ def paged_attention_triton(
                 or part_lse.device != q.device or part_lse.stride(2) != 1):
             raise ValueError(f"scratch: part_lse must be float32 (>={num_splits}, >={T}, {nh}) on {q.device} "
                              f"with a contiguous last axis, got {list(part_lse.shape)} {part_lse.dtype}")
-    else:
-        part_o, part_lse = out, out  # never touched
-    sp = part_o.stride() if split else (0, 0, 0, 0)
-    sl = part_lse.stride() if split else (0, 0, 0)
-    window = sliding_window or 0
-    num_q_tiles = plan.pop("num_q_tiles")
-    qb_per_seq = plan.pop("qb_per_seq")
-    _jitted("attn", interpreted)[(num_q_tiles, nkv, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse,
-        block_tables, query_start_loc, seq_lens,
-        float(scale) * _LOG2E, window, B, qb_per_seq, num_splits,
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0),
-        sp[0], sp[1], sp[2],
-        sl[0], sl[1],
-        HEAD_DIM=hd, PAGE=block_size, SLIDING=sliding_window is not None, SPLIT=split,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=interpreted and q.dtype != torch.float32,
-        **plan,
-    )
-    if split:
-        _jitted("reduce", interpreted)[(T, nh)](
-            out, part_o, part_lse, query_start_loc, B, num_splits,
-            out.stride(0), out.stride(1),
-            sp[0], sp[1], sp[2],
-            sl[0], sl[1],
-            HEAD_DIM=hd, HD_PAD=plan["HD_PAD"], SPLITS_PAD=_next_pow2(num_splits),
-            num_warps=4,
-        )
+    for launch in _attention_launches(
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scratch, num_tokens=T, num_seqs=B,
+        max_query_len=max_query_len, num_splits=num_splits, block_size=block_size, scale=scale,
+        sliding_window=sliding_window, interpreted=interpreted, block_q=block_q, block_n=block_n,
+    ):
+        run_launch(launch)
     return out
 
 
@@ -725,13 +799,7 @@ def write_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot
     T, nkv, hd = k.shape
     if T == 0:
         return
-    _jitted("write_kv", interpreted)[(T,)](
-        k, v, k_cache, v_cache, slot_mapping, nkv,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HEAD_DIM=hd, HD_PAD=_next_pow2(hd), KV_PAD=_next_pow2(nkv),
-        num_warps=4,
-    )
+    run_launch(_write_kv_launch(k, v, k_cache, v_cache, slot_mapping))
 
 
 def write_kv_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

@@ -13,6 +13,10 @@ the distribution (p, or the residual max(p - q, 0) after a rejection, falling
 back to p when the residual is all zero), then the first index whose running
 sum exceeds u * total.
 
+Binaries: K (the step's draft count) is not specialised on, so a vocabulary
+needs one binary per variant -- strict, probabilistic with and without draft
+probabilities (:func:`variant_launches`, compiled at start-up).
+
 On CUDA the kernel is compiled.  CPU tensors need Triton's interpreter, which
 must be switched on with ``TRITON_INTERPRET=1`` before triton is first imported
 (slow; for tests).  triton is
@@ -22,10 +26,11 @@ requested, so ``import specserve.kernels`` works without triton.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
+
+from specserve.kernels.launches import KernelDef, Launch
+from specserve.kernels.launches import run as run_launch
 
 try:
     import triton
@@ -34,7 +39,7 @@ except ImportError:  # the torch reference is used instead; see rejection_sample
     triton = None
     tl = None
 
-__all__ = ["interpreter_active", "rejection_sample_triton"]
+__all__ = ["interpreter_active", "rejection_sample_triton", "variant_launches"]
 
 
 def _rejection_kernel(
@@ -132,6 +137,11 @@ def _rejection_kernel(
     tl.store(num_accepted_ptr + b, num_acc.to(tl.int64))
 
 
+# K varies with the step's draft count (0 and 1 would each get a binary of their own);
+# V is the model's, fixed.
+REJECTION = KernelDef(_rejection_kernel, do_not_specialize=("K",))
+
+
 def interpreter_active() -> bool:
     """True when triton was imported with TRITON_INTERPRET=1 (needed for CPU tensors).
 
@@ -142,13 +152,46 @@ def interpreter_active() -> bool:
     return triton is not None and type(tl.sum).__name__ == "InterpretedFunction"
 
 
-@functools.cache
-def _kernel_for(interpreted: bool):
-    # triton.jit reads TRITON_INTERPRET when it decorates; checked against the import-time mode
-    kernel = triton.jit(_rejection_kernel)
-    if (type(kernel).__name__ == "InterpretedFunction") != interpreted:
-        raise RuntimeError("use_kernel: TRITON_INTERPRET changed after triton was imported")
-    return kernel
+def default_block_v(vocab_size: int, device: torch.device | str) -> int:
+    return min(_next_pow2(vocab_size), 1024 if torch.device(device).type == "cuda" else 4096)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _launch(target_probs: Tensor, draft_probs: Tensor | None, draft_token_ids: Tensor, num_draft_tokens: Tensor,
+            u_accept: Tensor, u_sample: Tensor, out_ids: Tensor, num_accepted: Tensor, method: str,
+            block_v: int) -> Launch:
+    B, K1, V = target_probs.shape
+    has_draft_probs = draft_probs is not None
+    return Launch(
+        REJECTION, (B,),
+        (target_probs, draft_probs if has_draft_probs else target_probs, draft_token_ids, num_draft_tokens,
+         u_accept, u_sample, out_ids, num_accepted, K1 - 1, V),
+        dict(STRICT=method == "strict", HAS_DRAFT_PROBS=has_draft_probs and method == "probabilistic",
+             BLOCK_V=block_v),
+    )
+
+
+def variant_launches(method: str, vocab_size: int, device: torch.device | str,
+                     block_v: int | None = None) -> list[Launch]:
+    """One launch per binary verification with ``method`` can need (strict: one;
+    probabilistic: with draft probabilities, without (K = 0 steps), and strict for rows
+    whose drafts carry none), on tiny stand-in tensors: B, K and the batch's tensors'
+    sizes are not specialised on.  ``block_v``: None = the default for ``device``."""
+    dev = torch.device(device)
+    V = vocab_size
+    f32, i64 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int64, device=dev)
+    variants = [("strict", False)] + ([("probabilistic", True), ("probabilistic", False)]
+                                      if method == "probabilistic" else [])
+    out = []
+    for m, with_q in variants:
+        out.append(_launch(torch.zeros(1, 2, V, **f32), torch.zeros(1, 1, V, **f32) if with_q else None,
+                           torch.zeros(1, 1, **i64), torch.zeros(1, **i64), torch.zeros(1, 1, **f32),
+                           torch.zeros(1, 2, **f32), torch.zeros(1, 2, **i64), torch.zeros(1, **i64), m,
+                           block_v or default_block_v(V, dev)))
+    return out
 
 
 def _check(name: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
@@ -195,7 +238,7 @@ def rejection_sample_triton(
     if V == 0:
         raise ValueError("target_probs: vocabulary dimension is empty")
     if block_v is None:
-        block_v = min(triton.next_power_of_2(V), 1024 if device.type == "cuda" else 4096)
+        block_v = default_block_v(V, device)
     if block_v < 1 or block_v & (block_v - 1):
         raise ValueError(f"block_v: must be a power of two, got {block_v}")
 
@@ -214,19 +257,9 @@ def rejection_sample_triton(
             "use_kernel: CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
             "triton is first imported (or use the torch path, use_kernel=False)"
         )
-    _kernel_for(interpreted)[(B,)](
-        target_probs.contiguous(),
-        draft_probs.contiguous() if has_draft_probs else target_probs,
-        draft_token_ids.contiguous(),
-        num_draft_tokens.contiguous(),
-        u_accept.contiguous(),
-        u_sample.contiguous(),
-        out_ids,
-        num_accepted,
-        K,
-        V,
-        STRICT=method == "strict",
-        HAS_DRAFT_PROBS=has_draft_probs and method == "probabilistic",  # strict ignores q
-        BLOCK_V=block_v,
-    )
+    run_launch(_launch(
+        target_probs.contiguous(), draft_probs.contiguous() if has_draft_probs else None,
+        draft_token_ids.contiguous(), num_draft_tokens.contiguous(), u_accept.contiguous(), u_sample.contiguous(),
+        out_ids, num_accepted, method, block_v,
+    ))
     return out_ids, num_accepted

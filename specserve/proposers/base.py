@@ -4,6 +4,11 @@ A leaf module: it imports nothing of the engine.  A proposer sees only its own
 config section and a read-only view of each sequence; adding a method is a new
 module that calls ``register`` plus a YAML preset.
 
+Each method also declares the device memory it will hold (``MemoryNeeds``: its own KV
+bytes per block, its weights, graphs and temporaries), computed from config files and
+checkpoint headers before anything of it is loaded: ``specserve.engine.memory`` sizes
+the KV cache after counting them.
+
 When proposers run: AFTER verification.  Each engine step runs one target
 forward, verifies, commits the accepted tokens, and then asks the proposer for
 the drafts of every request that decodes next, handing it that forward's
@@ -86,21 +91,59 @@ class ProposerContext:
     cache_dir: Any = None  # model.cache_dir (where the fused CPU kernel library is built), None = default
 
 
+@dataclass(frozen=True)
+class TargetShape:
+    """What a method's memory declaration may read of the target (nothing of its own is loaded yet)."""
+
+    arch: Any  # the target's ArchConfig
+    dtype_bytes: int  # bytes per weight and KV element (the target's dtype)
+    max_model_len: int
+    hf_dir: Any = None  # the target's HF checkpoint directory (MTP layers live there)
+    cuda: bool = False  # drafting runs on one CUDA device (persistent-buffer runners)
+    cuda_graphs: bool = False  # ... and captures its step loops as CUDA graphs
+
+
+@dataclass(frozen=True)
+class MemoryNeeds:
+    """Device bytes a method holds beyond the target's (``specserve.engine.memory``)."""
+
+    kv_bytes_per_block: int = 0  # its own KV caches, per block (they mirror the engine's block count)
+    weight_bytes: int = 0  # its weights on the device (a draft model, a head; 0 when it shares the target's)
+    graph_bytes: int = 0  # its CUDA graphs' outputs and pools and its persistent buffers
+    transient_bytes: int = 0  # its largest temporary allocation while drafting (calibration included)
+    draft_probs_bytes: int = 0  # the (B, K, V) float32 q it hands to verification (probabilistic), else 0
+    scratch_bytes_per_block: int = 0  # temporaries that grow with its cache (dflash's context gather)
+    aux_layers: int = 0  # target hidden states it reads from each forward (the step outputs keep them)
+
+
 Factory = Callable[[SpeculativeConfig, ProposerContext], Proposer]
+# (method config, target, EngineConfig, the draft group's ModelConfig or None) -> needs
+MemoryFn = Callable[[SpeculativeConfig, TargetShape, Any, Any], MemoryNeeds]
 PROPOSERS: dict[str, Factory] = {}
+MEMORY: dict[str, MemoryFn] = {}
 # KV-cache layers a method keeps in the engine's cache after the target's (an EAGLE
 # head's one layer): the engine allocates them inside its KV budget.
 KV_LAYERS: dict[str, int] = {}
 
 
-def register(method: str, kv_layers: int = 0) -> Callable[[Factory], Factory]:
+def register(method: str, kv_layers: int = 0, memory: MemoryFn | None = None) -> Callable[[Factory], Factory]:
+    """``memory``: the method's declaration of ``MemoryNeeds`` (None: it holds nothing on the device)."""
+
     def deco(factory: Factory) -> Factory:
         PROPOSERS[method] = factory
         if kv_layers:
             KV_LAYERS[method] = kv_layers
+        if memory is not None:
+            MEMORY[method] = memory
         return factory
 
     return deco
+
+
+def memory_needs(spec: SpeculativeConfig, target: TargetShape, engine: Any, draft: Any = None) -> MemoryNeeds:
+    """What ``spec.method`` will hold on the device, asked before the KV cache is sized."""
+    fn = MEMORY.get(spec.method)
+    return fn(spec, target, engine, draft) if fn is not None else MemoryNeeds()
 
 
 def build_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:

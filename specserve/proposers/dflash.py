@@ -32,6 +32,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -39,10 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specserve.config import SpeculativeConfig
+from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT, kv_bytes_per_block, rotary_bytes, step_activation_bytes
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.executor.models.llama import ArchConfig, DecoderLayer, RMSNorm, Rotary, apply_rotary
-from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
-from specserve.proposers.heads import DraftColumns, OwnCacheHead, fuse_layer, read_tensors
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
+from specserve.proposers.heads import DraftColumns, OwnCacheHead, fuse_layer, read_tensor_shapes, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +243,44 @@ class DFlashProposer(OwnCacheHead):
 
 
 
-@register("dflash")
+def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+    """The draft's weights (tensor headers) and cache (its layers), one more layer's worth
+    per block for a drafting forward's context gather (every drafting request's context
+    K/V of one layer: at most that layer's cache), and the temporaries of a round: the
+    context projection of a step's committed rows and the block forward with the logits
+    of block - 1 positions per request (with sampling and q when probabilistic)."""
+    path = spec.model or (draft.path if draft is not None else None)
+    d = Path(path).expanduser() if path else None
+    if d is None or not (d / "config.json").is_file():
+        return MemoryNeeds()  # the builder says what is wrong
+    from transformers import AutoConfig
+
+    raw = json.loads((d / "config.json").read_text())
+    dc = raw.get("dflash_config") or {}
+    block, features = int(raw.get("block_size") or 2), len(dc.get("target_layer_ids") or [])
+    a = ArchConfig.from_hf(AutoConfig.from_pretrained(str(d), local_files_only=True))
+    t, dt = target.arch, target.dtype_bytes
+    k, B = spec.num_speculative_tokens, engine.max_num_seqs
+    weights = sum(x.numel() for x in read_tensor_shapes(d).values()) * dt
+    weights += rotary_bytes(a.head_dim, target.max_model_len + block) * dt // 4  # its tables move to the dtype too
+    tokens = max(engine.max_num_batched_tokens, B * (k + 1))  # rows a step may commit
+    context = tokens * (2 * features * t.hidden_size + 4 * a.hidden_size) * dt
+    layer = SimpleNamespace(hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, vocab_size=t.vocab_size)
+    ctx_len = target.max_model_len + block  # one request's context and block, repeated to every query head
+    repeat = 2 * ctx_len * (a.num_heads + a.num_kv_heads) * a.head_dim * dt
+    blocks = step_activation_bytes(layer, B * block, B * (block - 1), dt) + repeat
+    probabilistic = spec.rejection_sample_method == "probabilistic"
+    if probabilistic:
+        blocks += VERIFY_BYTES_PER_LOGIT * B * t.vocab_size
+    per_layer = kv_bytes_per_block(1, engine.block_size, a.num_kv_heads, a.head_dim, dt)
+    return MemoryNeeds(
+        kv_bytes_per_block=a.num_layers * per_layer, scratch_bytes_per_block=per_layer, weight_bytes=weights,
+        transient_bytes=context + blocks, draft_probs_bytes=B * k * t.vocab_size * 4 if probabilistic else 0,
+        aux_layers=features,
+    )
+
+
+@register("dflash", memory=_memory)
 def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DFlashProposer:
     path = spec.model or (ctx.draft_model.path if ctx.draft_model is not None else None)
     key = "method.model" if spec.model else "draft.path"

@@ -11,18 +11,20 @@ to the accepted prefix by bookkeeping.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from specserve.config import SpeculativeConfig
+from specserve.engine.memory import (decoder_weight_bytes, graph_output_bytes, graph_pool_bytes, kv_bytes_per_block,
+                                     rotary_bytes, runner_buffer_bytes, step_activation_bytes)
 from specserve.kv_blocks import BlockManager
 from specserve.errors import ConfigError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.runner import ModelRunner
-from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
 
 
 @dataclass
@@ -37,7 +39,8 @@ class DraftModelProposer:
     def __init__(
         self, draft: LoadedModel, k: int, num_blocks: int, block_size: int, cpu_kernel: str = "torch",
         fused_max_tokens: int | None = None, max_num_seqs: int = 32, cuda_graphs: bool = True,
-        max_step_tokens: int = 2048, mask_token_id: int | None = None,
+        max_step_tokens: int = 2048, mask_token_id: int | None = None, kv: KVCache | None = None,
+        attention_impl: str = "auto",
     ):
         self.k = k
         # PARD (parallel drafting): the draft's mask token; all K drafts come from one
@@ -45,14 +48,16 @@ class DraftModelProposer:
         self.mask_token_id = mask_token_id
         self.max_step_tokens = max(max_step_tokens, max_num_seqs)  # tokens per draft forward
         self.blocks = BlockManager(num_blocks, block_size)
-        kv = KVCache(draft.arch.num_layers, num_blocks, block_size, draft.arch.num_kv_heads,
-                     draft.arch.head_dim, draft.dtype, draft.device)
+        if kv is None:  # ``kv``: a cache allocated earlier from the memory budget (layer_skip's)
+            kv = KVCache(draft.arch.num_layers, num_blocks, block_size, draft.arch.num_kv_heads,
+                         draft.arch.head_dim, draft.dtype, draft.device)
         static = None
         if draft.device.type == "cuda" and getattr(draft, "tp", None) is None:  # K decode steps replay graphs
             from specserve.executor.static_runner import StaticStepRunner
 
             static = StaticStepRunner(draft, kv, max_num_seqs=max_num_seqs, max_num_tokens=self.max_step_tokens,
-                                      graph_query_lens=(1,), use_graphs=cuda_graphs)  # fmt: skip
+                                      graph_query_lens=(1,), use_graphs=cuda_graphs,
+                                      attention_impl=attention_impl)  # fmt: skip
             static.capture(progress=False)
         self.runner = ModelRunner(draft, kv, cpu_kernel=cpu_kernel, fused_max_tokens=fused_max_tokens, static=static)
         self.states: dict[str, _DraftState] = {}
@@ -60,7 +65,9 @@ class DraftModelProposer:
     def propose(self, requests: list[DraftRequest], step=None) -> Proposal:
         """Catch each request up on the tokens its draft cache has not seen, then draft
         greedily.  The drafter's own samples are fed back on the device: the K-step loop
-        reads nothing back until the drafts are complete (one copy at the end)."""
+        reads nothing back until the drafts are complete (one copy at the end), so on
+        CUDA its steps run ahead of the device, and each step's staged positions and
+        slots stay in their pinned buffer until its copy ran (``StagingBuffer``)."""
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[int] = []  # indices of requests drafting
         inputs: list[SeqInput] = []
@@ -186,7 +193,49 @@ class DraftModelProposer:
             self.blocks.free(st.block_table)
 
 
-@register("draft_model")
+def runner_needs(a, dtype_bytes: int, max_len: int, engine, k: int, target: TargetShape,
+                 parallel_drafting: bool = False) -> MemoryNeeds:
+    """What a ``DraftModelProposer`` over a model of ``a`` (an ArchConfig) holds besides
+    its weights: its KV cache per block; on CUDA its persistent step runner and the
+    decode graphs (q = 1, buckets up to max_num_seqs); its largest eager step (a
+    catch-up of max_step_tokens tokens; with PARD the masks' logits too)."""
+    B = engine.max_num_seqs
+    step_tokens = max(engine.max_num_batched_tokens, B)  # DraftModelProposer.max_step_tokens
+    graphs = 0
+    if target.cuda:
+        graphs = runner_buffer_bytes(B, step_tokens, max_len, engine.block_size, a.num_heads, a.head_dim)
+        if target.cuda_graphs:
+            graphs += graph_output_bytes(B, a, dtype_bytes) + graph_pool_bytes(B, a, dtype_bytes)
+    rows = min(B * k, step_tokens) if parallel_drafting else B
+    return MemoryNeeds(
+        kv_bytes_per_block=kv_bytes_per_block(a.num_layers, engine.block_size, a.num_kv_heads, a.head_dim, dtype_bytes),
+        graph_bytes=graphs, transient_bytes=step_activation_bytes(a, step_tokens, rows, dtype_bytes),
+    )
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+    """The draft's weights and ``runner_needs``, from its config.json (nothing loaded)."""
+    path = spec.model or (draft.path if draft is not None else None)
+    if not path:
+        return MemoryNeeds()
+    from transformers import AutoConfig
+
+    from specserve.executor.loader import resolve_hf_dir
+    from specserve.executor.models.llama import ArchConfig
+
+    cache_dir = draft.cache_dir if draft is not None else None
+    a = ArchConfig.from_hf(AutoConfig.from_pretrained(str(resolve_hf_dir(path, cache_dir)), local_files_only=True))
+    dtype = draft.dtype if draft is not None else "auto"
+    dt = _DTYPE_BYTES.get(dtype, target.dtype_bytes)  # auto: the target's
+    max_len = spec.max_model_len or target.max_model_len
+    needs = runner_needs(a, dt, max_len, engine, spec.num_speculative_tokens, target, spec.parallel_drafting)
+    return replace(needs, weight_bytes=decoder_weight_bytes(a, dt) + rotary_bytes(a.head_dim, max_len))
+
+
+@register("draft_model", memory=_memory)
 def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
     path = spec.model or (ctx.draft_model.path if ctx.draft_model is not None else None)
     key = "method.model" if spec.model else "draft.path"
@@ -230,4 +279,5 @@ def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
         cpu_kernel=ctx.engine.cpu_kernel, fused_max_tokens=ctx.engine.cpu_fused_max_tokens,
         max_num_seqs=ctx.engine.max_num_seqs, cuda_graphs=ctx.engine.cuda_graphs != "off",
         max_step_tokens=ctx.engine.max_num_batched_tokens, mask_token_id=mask,
+        attention_impl=ctx.engine.attention_backend,
     )

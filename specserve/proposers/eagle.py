@@ -41,19 +41,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 from specserve.config import SpeculativeConfig
+from specserve.engine.memory import (VERIFY_BYTES_PER_LOGIT, graph_pool_bytes, kv_bytes_per_block,
+                                     padded_attention_bytes, rotary_bytes, step_activation_bytes)
 from specserve.errors import ConfigError
 from specserve.executor.batch import SeqInput, StepBatch
-from specserve.executor.eagle_loader import build_head, check_against_target, read_head
+from specserve.executor.eagle_loader import build_head, check_against_target, read_head, resolve_head_dir
+from specserve.executor.eagle_loader import read_tensors as read_head_tensors
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.eagle import EagleHead
-from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
 from specserve.proposers.head_graphs import HeadDraftGraphs
-from specserve.proposers.heads import draft_uniforms, head_metadata, narrow, read_columns, step_metadata
+from specserve.proposers.heads import (draft_uniforms, head_metadata, narrow, read_columns, read_tensor_shapes,
+                                       step_metadata)
 from specserve.request import GREEDY_EPS
 from specserve.sampling.processors import SamplingTensors, logits_to_probs, sample_from_probs
 
@@ -226,7 +231,7 @@ def _head_kv(ctx: ProposerContext, head: EagleHead) -> tuple[tuple[Tensor, Tenso
     if kv is not None and layers > a.num_layers and (c.num_kv_heads, c.head_dim) == (a.num_kv_heads, a.head_dim):
         return kv.layer(a.num_layers), kv.trash_slot
     log.warning("the head's attention shape (%d kv heads x %d) differs from the target's: its KV cache is a "
-                "separate one-layer cache of %d blocks, outside the engine's KV budget", c.num_kv_heads, c.head_dim,
+                "separate one-layer cache of %d blocks (counted in the memory budget)", c.num_kv_heads, c.head_dim,
                 ctx.num_kv_blocks)
     own = KVCache(1, ctx.num_kv_blocks, ctx.engine.block_size, c.num_kv_heads, c.head_dim, ctx.target.dtype,
                   ctx.target.device)
@@ -282,9 +287,60 @@ def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
         probabilistic=spec.rejection_sample_method == "probabilistic", trash_slot=trash,
     )
     if t.device.type == "cuda" and getattr(t, "tp", None) is None and ctx.engine.cuda_graphs != "off":
-        proposer.enable_static(ctx.engine.max_num_seqs, t.max_model_len)  # the K draft steps as CUDA graphs
+        # the K draft steps as CUDA graphs, on the attention backend the engine's check chose
+        proposer.enable_static(ctx.engine.max_num_seqs, t.max_model_len, impl=ctx.engine.attention_backend)
     return proposer
 
 
-register("eagle", kv_layers=1)(build_eagle)
-register("eagle3", kv_layers=1)(build_eagle)
+def eagle_memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+    """The head's part, from its config.json and tensor headers (nothing loaded): its
+    weights (the target's embeddings and LM head are shared unless it brings its own),
+    a cache layer of its own when its attention shape differs from the target's (else
+    the engine's extra layer: ``KV_LAYERS``), the draft graphs on CUDA, and its largest
+    temporaries: consuming a step's rows (eagerly, through the reference attention's
+    padded gather) and a draft step's logits (with sampling and q when probabilistic)."""
+    path = spec.model or (draft.path if draft is not None else None)
+    if not path:
+        return MemoryNeeds()
+    key = "method.model" if spec.model else "draft.path"
+    d = resolve_head_dir(path, key)
+    ck = read_head(path, spec.method, key, tensors=read_tensor_shapes(d, fallback=lambda p, w: read_head_tensors(p, key)))
+    c, a, dt = ck.config, target.arch, target.dtype_bytes
+    k, B = spec.num_speculative_tokens, engine.max_num_seqs
+    weights = sum(t.numel() for n, t in ck.tensors.items() if n not in ("d2t", "t2d")) * dt
+    if c.reduced_vocab:
+        weights += c.draft_vocab_size * 8  # draft_to_target, int64
+    max_len = target.max_model_len + k + 1  # the head's positions (drafting runs past the end)
+    weights += rotary_bytes(c.head_dim, max_len)
+    own_kv = (c.num_kv_heads, c.head_dim) != (a.num_kv_heads, a.head_dim)
+    head = SimpleNamespace(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                           vocab_size=c.draft_vocab_size)
+    graphs = _head_graph_bytes(head, k, B, target.max_model_len, engine.block_size, dt) if target.cuda_graphs else 0
+    tokens = max(engine.max_num_batched_tokens, B * (k + 1))  # rows a step may commit
+    consume = (step_activation_bytes(head, tokens, B, dt) + 2 * tokens * c.fc_in * dt
+               + padded_attention_bytes(B, max_len, k + 1, c.num_kv_heads, c.head_dim, dt))
+    probabilistic = spec.rejection_sample_method == "probabilistic"
+    step = B * c.draft_vocab_size * (4 + dt)
+    if probabilistic:  # the head's distribution under each request's filters, and q on the target vocabulary
+        step += VERIFY_BYTES_PER_LOGIT * B * c.draft_vocab_size + B * a.vocab_size * 4
+    aux = len(c.aux_layer_ids) or (3 if c.kind == "eagle3" else 1)
+    return MemoryNeeds(
+        kv_bytes_per_block=kv_bytes_per_block(1, engine.block_size, c.num_kv_heads, c.head_dim, dt) if own_kv else 0,
+        weight_bytes=weights, graph_bytes=graphs, transient_bytes=consume + step,
+        draft_probs_bytes=B * k * a.vocab_size * 4 if probabilistic else 0, aux_layers=aux,
+    )
+
+
+def _head_graph_bytes(head, k: int, max_num_seqs: int, max_seq_len: int, block_size: int, dtype_bytes: int) -> int:
+    """``HeadDraftGraphs``: its staging (int32 base, want, block tables), hidden states,
+    query starts and drafts, and the pool of its largest bucket's K steps (each step's
+    temporaries are reused by the next)."""
+    B = max_num_seqs
+    max_blocks = -(-(max_seq_len + k + 1) // block_size) + 1
+    staging = sum(-(-4 * n // 16) * 16 for n in (B, B, B * max_blocks))
+    buffers = staging + B * head.hidden_size * dtype_bytes + 4 * (B + 1) + 8 * B * k
+    return buffers + graph_pool_bytes(B, head, dtype_bytes) + 2 * B * head.vocab_size * 4  # + the float32 logits
+
+
+register("eagle", kv_layers=1, memory=eagle_memory)(build_eagle)
+register("eagle3", kv_layers=1, memory=eagle_memory)(build_eagle)

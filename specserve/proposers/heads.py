@@ -175,6 +175,32 @@ def read_tensors(hf_dir: Path, wanted) -> dict[str, Tensor]:
     return {k: v for k, v in read_state_dict(hf_dir).items() if wanted(k)}
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def read_tensor_shapes(hf_dir: Path, wanted=lambda name: True, fallback=None) -> dict[str, Tensor]:
+    """``read_tensors`` without the data: meta tensors with the checkpoint's shapes (and
+    dtypes), from the safetensors headers alone, for memory declarations made before
+    anything is loaded.  Other formats are read by ``fallback`` (default
+    ``read_tensors``) and only their shapes kept."""
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        read = fallback or read_tensors
+        return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in read(hf_dir, wanted).items()}
+    out: dict[str, Tensor] = {}
+    for path in files:
+        with open(path, "rb") as f:  # u64 little-endian header length, then the JSON header
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, info in header.items():
+            if name != "__metadata__" and wanted(name):
+                dtype = _SAFETENSORS_DTYPES.get(info["dtype"], torch.uint8)
+                out[name] = torch.empty(info["shape"], dtype=dtype, device="meta")
+    return out
+
+
 def fuse_layer(sd: dict[str, Tensor], prefix: str, a, out_prefix: str = "") -> dict[str, Tensor]:
     """One HF-named Llama/Qwen decoder layer (``prefix`` + input_layernorm, self_attn.*,
     mlp.*) -> the names of specserve's ``DecoderLayer`` (q/k/v and gate/up fused)."""

@@ -31,9 +31,15 @@ The draft's data path is chosen like the target's (``engine.cpu_kernel``, throug
 reads the target's bf16 weight tensors in place, and the compact draft cache), so
 a draft step costs (kept / all layers) of a target step; float32 runs torch, and on
 CUDA the draft steps replay CUDA graphs like draft_model's.  Choosing other layers
-builds a new draft (cache and decoder).  Calibration's forwards run on the fused
-decoder too where the target's would (a decoder per candidate set), else torch.  Drafts
-are greedy (one-hot q), so strict and probabilistic verification stay exact.
+builds a new draft (decoder and graphs) over the same cache.  Calibration's forwards
+run on the fused decoder too where the target's would (a decoder per candidate set),
+else torch.  Drafts are greedy (one-hot q), so strict and probabilistic verification
+stay exact.
+
+Memory: the compact cache ((L - round(skip_ratio * L)) layers, or L minus the layers
+given) is allocated when the proposer is built, right after the engine's cache, and
+the draft's graphs and the calibration's scratch cache and forward are declared
+(``_memory``), so the engine's budget holds them before the KV cache is sized.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import SpeculativeConfig
+from specserve.engine.memory import kv_bytes_per_block, step_activation_bytes
 from specserve.errors import ConfigError
 from specserve.executor.attention import batch_metadata
 from specserve.executor.batch import SeqInput, StepBatch
@@ -55,12 +62,14 @@ from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel
 from specserve.executor.runner import ModelRunner
 from specserve.kv_blocks import BlockManager
-from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
-from specserve.proposers.draft_model import DraftModelProposer
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
+from specserve.proposers.draft_model import DraftModelProposer, runner_needs
 
 log = logging.getLogger(__name__)
 
 CANDIDATES = 3  # layers tried per calibration round (the least influential ones)
+CALIBRATION_BLOCK = 16  # block size of calibration's scratch KV cache
+MAX_CALIBRATION_REQUESTS = 64  # prompts collected for calibration at most
 
 
 class _KVView:
@@ -129,8 +138,8 @@ class SkipModel(nn.Module):
             x = y
         return b.norm(x), {}
 
-    def compute_logits(self, hidden):
-        return self.base.compute_logits(hidden)
+    def compute_logits(self, hidden, out=None):
+        return self.base.compute_logits(hidden, out=out)
 
     def prepack(self) -> None:
         pass  # the target's runner owns the weights' layout
@@ -153,7 +162,7 @@ def calibrate(target: LoadedModel, sequences: list[list[int]], num_skip: int,
     target would run the fused CPU decoder, the forwards run on it (a decoder over
     each candidate's kept layers), else torch."""
     a = target.arch
-    block = 16
+    block = CALIBRATION_BLOCK
     tables, start = [], 0
     for s in sequences:
         n = -(-len(s) // block)
@@ -242,24 +251,34 @@ class LayerSkipProposer:
         self.inner: DraftModelProposer | None = None
         if spec.skip_layers is not None:
             check_skip_layers(spec.skip_layers, L)
-            self._build(sorted(set(spec.skip_layers)))
+            self.num_skip = len(set(spec.skip_layers))
         elif self.num_skip >= L:
             raise ConfigError("method.skip_ratio", f"{spec.skip_ratio} skips all {L} layers of the target; "
                                                    "keep at least one (a ratio < 1)")
         elif self.num_skip < 1:
             raise ConfigError("method.skip_ratio", f"{spec.skip_ratio} of {L} layers skips none; raise it")
+        # The kept layers' cache, now: after calibration nothing of this size may be allocated.
+        t, e = self.target, ctx.engine
+        self.kv = KVCache(L - self.num_skip, ctx.num_kv_blocks, e.block_size, t.arch.num_kv_heads, t.arch.head_dim,
+                          t.dtype, t.device)
+        if spec.skip_layers is not None:
+            self._build(sorted(set(spec.skip_layers)))
 
     def _build(self, skip: list[int]) -> None:
-        """A new draft skipping ``skip``: its own compact KV cache and runner, which
-        (``engine.cpu_kernel``, as the target's) is the fused CPU decoder over the
-        kept layers in bf16 on a CPU where the kernel runs, else torch."""
+        """A new draft skipping ``skip``: a runner over the compact KV cache allocated at
+        construction, which (``engine.cpu_kernel``, as the target's) is the fused CPU
+        decoder over the kept layers in bf16 on a CPU where the kernel runs, else torch."""
         self.skip_layers = skip
         model = SkipModel(self.target.model, set(skip))
         e = self.ctx.engine
+        if self.kv.data.shape[0] != len(model.kept):  # another count than declared (calibration keeps it)
+            t = self.target
+            self.kv = KVCache(len(model.kept), self.ctx.num_kv_blocks, e.block_size, t.arch.num_kv_heads,
+                              t.arch.head_dim, t.dtype, t.device)
         self.inner = DraftModelProposer(
             skip_loaded(self.target, model), self.k, self.ctx.num_kv_blocks, e.block_size, cpu_kernel=e.cpu_kernel,
             fused_max_tokens=e.cpu_fused_max_tokens, max_num_seqs=e.max_num_seqs, cuda_graphs=e.cuda_graphs != "off",
-            max_step_tokens=e.max_num_batched_tokens,
+            max_step_tokens=e.max_num_batched_tokens, kv=self.kv, attention_impl=e.attention_backend,
         )
 
     @property
@@ -270,7 +289,7 @@ class LayerSkipProposer:
     def _calibrate_if_ready(self, requests: list[DraftRequest]) -> None:
         for r in requests:
             rid = r.seq.request_id
-            if rid not in self._pending and len(self._pending) < 64:
+            if rid not in self._pending and len(self._pending) < MAX_CALIBRATION_REQUESTS:
                 self._pending[rid] = list(r.seq.token_ids[: r.seq.num_prompt_tokens])
         if sum(len(t) for t in self._pending.values()) < self.calibration_tokens and len(self._pending) < 8:
             return
@@ -328,6 +347,30 @@ def check_skip_layers(skip: Any, num_layers: int) -> None:
                                                 "or leave it unset to calibrate")
 
 
-@register("layer_skip")
+def calibration_bytes(a, tokens: int, dtype_bytes: int) -> int:
+    """Calibration's temporaries: its scratch cache of all layers over at most ``tokens``
+    prompt tokens of at most MAX_CALIBRATION_REQUESTS requests (of 2 tokens or more;
+    one partial block each, plus the trash block), and a forward of them with the
+    logits of every position."""
+    n = min(MAX_CALIBRATION_REQUESTS, max(tokens // 2, 1))
+    blocks = -(-(tokens + (CALIBRATION_BLOCK - 1) * n) // CALIBRATION_BLOCK) + 1
+    scratch = blocks * kv_bytes_per_block(a.num_layers, CALIBRATION_BLOCK, a.num_kv_heads, a.head_dim, dtype_bytes)
+    return scratch + step_activation_bytes(a, tokens, tokens, dtype_bytes)
+
+
+def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+    """The compact cache and the draft's runner (the target's kept layers: no weights of
+    its own), and calibration's temporaries when the layers are to be chosen."""
+    L = target.arch.num_layers
+    skip = len(set(spec.skip_layers)) if spec.skip_layers is not None else round(spec.skip_ratio * L)
+    kept = dataclasses.replace(target.arch, num_layers=min(max(L - skip, 1), L))
+    needs = runner_needs(kept, target.dtype_bytes, target.max_model_len, engine, spec.num_speculative_tokens, target)
+    if spec.skip_layers is None:
+        calib = calibration_bytes(target.arch, spec.skip_calibration_tokens, target.dtype_bytes)
+        needs = dataclasses.replace(needs, transient_bytes=needs.transient_bytes + calib)
+    return needs
+
+
+@register("layer_skip", memory=_memory)
 def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> LayerSkipProposer:
     return LayerSkipProposer(spec, ctx)

@@ -37,8 +37,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specserve.config import SpeculativeConfig
+from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT
 from specserve.errors import ConfigError, ModelLoadError
-from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
 from specserve.proposers.heads import DraftColumns, HeadSampler, narrow, read_tensors
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,28 @@ class MLPSpeculatorProposer:
         pass  # nothing per request
 
 
-@register("mlp_speculator")
+def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+    """The stages' weights from config.json (each stage holds its own tensors, tied ones
+    copied), and a stage's logits per round (with sampling and q when probabilistic)."""
+    path = spec.model or (draft.path if draft is not None else None)
+    cfg_file = Path(path).expanduser() / "config.json" if path else None
+    if cfg_file is None or not cfg_file.is_file():
+        return MemoryNeeds()  # the builder says what is wrong
+    cfg = json.loads(cfg_file.read_text())
+    try:
+        emb, inner, n, V = (int(cfg[k]) for k in ("emb_dim", "inner_dim", "n_predict", "vocab_size"))
+    except (KeyError, TypeError, ValueError):
+        return MemoryNeeds()
+    inner = inner or emb
+    dt, B, k = target.dtype_bytes, engine.max_num_seqs, spec.num_speculative_tokens
+    params = n * (2 * V * inner + 2 * inner) + emb * inner + (n - 1) * inner * inner  # emb, head, ln; proj
+    probabilistic = spec.rejection_sample_method == "probabilistic"
+    step = B * V * (4 + dt) + (VERIFY_BYTES_PER_LOGIT * B * V if probabilistic else 0)
+    return MemoryNeeds(weight_bytes=params * dt, transient_bytes=step,
+                       draft_probs_bytes=B * k * V * 4 if probabilistic else 0, aux_layers=1)
+
+
+@register("mlp_speculator", memory=_memory)
 def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> MLPSpeculatorProposer:
     path = spec.model or (ctx.draft_model.path if ctx.draft_model is not None else None)
     key = "method.model" if spec.model else "draft.path"

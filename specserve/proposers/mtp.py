@@ -38,20 +38,26 @@ CUDA too).
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from specserve.config import SpeculativeConfig
+from specserve.engine.memory import (VERIFY_BYTES_PER_LOGIT, kv_bytes_per_block, padded_attention_bytes,
+                                     step_activation_bytes)
 from specserve.errors import ConfigError
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.loader import LoadedModel
 from specserve.executor.models.llama import DecoderLayer, RMSNorm
-from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
-from specserve.proposers.heads import DraftColumns, OwnCacheHead, fuse_layer, narrow, read_tensors, step_metadata
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
+from specserve.proposers.heads import (DraftColumns, OwnCacheHead, fuse_layer, narrow, read_tensor_shapes, read_tensors,
+                                       step_metadata)
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +83,11 @@ class MTPLayer(nn.Module):
         return (x if self.layout == "deepseek" else y), y
 
 
-def find_mtp_layers(hf_dir, hf_config: Any, num_layers: int) -> tuple[str, int, dict[str, Tensor]]:
-    """(layout, number of MTP layers, their tensors by checkpoint name); ConfigError if none."""
+def find_mtp_layers(hf_dir, hf_config: Any, num_layers: int, read=read_tensors) -> tuple[str, int, dict[str, Tensor]]:
+    """(layout, number of MTP layers, their tensors by checkpoint name); ConfigError if none.
+    ``read``: how tensors are read (``read_tensor_shapes``: meta tensors from the headers)."""
     n_cfg = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
-    sd = read_tensors(hf_dir, lambda k: k.startswith("model.mtp_layers.") or _deepseek_index(k, num_layers) is not None)
+    sd = read(hf_dir, lambda k: k.startswith("model.mtp_layers.") or _deepseek_index(k, num_layers) is not None)
     mimo = sorted({int(k.split(".")[2]) for k in sd if k.startswith("model.mtp_layers.")})
     deep = sorted({i for k in sd if (i := _deepseek_index(k, num_layers)) is not None
                    and f"model.layers.{i}.eh_proj.weight" in sd})
@@ -233,7 +240,38 @@ class MTPProposer(OwnCacheHead):
 
 
 
-@register("mtp")
+def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+    """The MTP layers' weights (their tensors' headers in the target's checkpoint) and
+    cache (one layer each, the target's attention shape), and the temporaries of a
+    round: the layers over a step's committed rows (eagerly, through the reference
+    attention's padded gather) and a draft step's logits (with sampling and q when
+    probabilistic)."""
+    if target.hf_dir is None or spec.model:
+        return MemoryNeeds()  # the builder refuses method.model
+    hf_dir, a, dt = Path(target.hf_dir), target.arch, target.dtype_bytes
+    config = json.loads((hf_dir / "config.json").read_text())
+    L = a.num_layers
+    layout, n, sd = find_mtp_layers(hf_dir, SimpleNamespace(**config), L, read=read_tensor_shapes)
+    if layout == "mimo":
+        used = [t for name, t in sd.items() if int(name.split(".")[2]) < n]
+    else:
+        used = [t for name, t in sd.items() if _deepseek_index(name, L) < L + n]
+    k, B = spec.num_speculative_tokens, engine.max_num_seqs
+    tokens = max(engine.max_num_batched_tokens, B * (k + 1))  # rows a step may commit
+    max_len = target.max_model_len + k
+    rounds = (step_activation_bytes(a, tokens, B, dt) + 2 * tokens * 2 * a.hidden_size * dt
+              + padded_attention_bytes(B, max_len, k + 1, a.num_kv_heads, a.head_dim, dt))
+    probabilistic = spec.rejection_sample_method == "probabilistic"
+    if probabilistic:
+        rounds += VERIFY_BYTES_PER_LOGIT * B * a.vocab_size
+    return MemoryNeeds(
+        kv_bytes_per_block=kv_bytes_per_block(n, engine.block_size, a.num_kv_heads, a.head_dim, dt),
+        weight_bytes=sum(t.numel() for t in used) * dt, transient_bytes=rounds,
+        draft_probs_bytes=B * k * a.vocab_size * 4 if probabilistic else 0, aux_layers=1,
+    )
+
+
+@register("mtp", memory=_memory)
 def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> MTPProposer:
     target = ctx.target
     if spec.model:

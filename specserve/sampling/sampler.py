@@ -76,10 +76,12 @@ Device buffers (:class:`DeviceSampler`)
 ---------------------------------------
 For CUDA graphs every input lives in a persistent buffer preallocated for
 ``max_num_seqs`` rows: the per-request tensors, ``row_index``, ``draft_ids`` and
-``num_drafts`` are written on the host into one pinned staging buffer and moved
-by ONE non-blocking copy per step; the packed result comes back by ONE
-non-blocking copy into a pinned host buffer followed by an event wait.  On the
-CPU both are plain copies.
+``num_drafts`` are written on the host into a pinned staging buffer and moved
+by ONE non-blocking copy per step (``executor.staging.StagingBuffer``: two host
+buffers in turn, each rewritten only after its previous copy's event); the packed
+result comes back by ONE non-blocking copy into a pinned host buffer followed by
+an event wait.  On the CPU the device reads the staging buffer itself and the
+result is a plain copy.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ neither yields a key, authentication is off.
 With keys, every call must send exactly one ``authorization: Bearer <key>``
 (gRPC metadata or HTTP header; a second one, even equal, is refused the same
 way on both) -- except health checks (gRPC ``grpc.health.v1.Health``, HTTP
-``/health``), which probes reach without credentials.  HTTP ``/metrics`` needs
+``/health`` and ``/ping``), which probes reach without credentials.  HTTP ``/metrics`` needs
 a key as well: ``server.metrics_key`` (or the variable named by
 ``server.metrics_key_env``, default ``SPECSERVE_METRICS_KEY``) when one is set,
 and then only that one; otherwise any API key.
@@ -31,7 +31,7 @@ from specserve.config import ServerConfig, split_api_keys
 from specserve.server.errors import UnauthenticatedError
 
 # Reachable without a key.
-OPEN_HTTP_PATHS = frozenset({"/health"})
+OPEN_HTTP_PATHS = frozenset({"/health", "/ping"})  # probes
 METRICS_PATH = "/metrics"
 OPEN_GRPC_SERVICES = frozenset({"grpc.health.v1.Health"})
 

@@ -27,6 +27,7 @@ from specserve.server.errors import EngineRequestError, UnknownModelError, class
 log = logging.getLogger("specserve.server")
 
 MAX_NAME_CHARS = 256  # a model name or request id a client sends
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's default)
 MAX_CACHE_SALT_CHARS = 1024
 
 
@@ -143,6 +144,11 @@ class Frontend:
         self.metrics = metrics
         self.health = health
         self.model_name: str = engine.info.model_name
+        # Every name the model answers to: model.name first (the id in responses), then the
+        # aliases (server.served_model_aliases: further served names, the path as given).
+        self.served_model_names: list[str] = [self.model_name] + [
+            a for a in dict.fromkeys(cfg.served_model_aliases) if a != self.model_name
+        ]
         self._inflight: set[str] = set()
         self._consumers: dict[str, asyncio.Task] = {}  # request id -> the handler task reading it
         self._failed: set[str] = set()  # ids whose handler was cancelled by fail_stuck_requests
@@ -188,7 +194,7 @@ class Frontend:
             return None
         return await self.run_off_loop(lambda: list(self.engine.tokenizer.encode(text, add_special_tokens=False)))
 
-    async def tokenize_messages_async(self, messages: list[dict[str, str]]) -> list[int]:
+    def _check_message_texts(self, messages: list[dict[str, str]]) -> None:
         chars = 0
         for i, m in enumerate(messages):
             content = m.get("content") if isinstance(m, dict) else None
@@ -196,7 +202,49 @@ class Frontend:
                 check_text(f"messages[{i}].content", content)
                 chars += len(content)
         self.check_length_bound("messages", chars)
+
+    async def tokenize_messages_async(self, messages: list[dict[str, str]]) -> list[int]:
+        self._check_message_texts(messages)
         return await self.run_off_loop(self.tokenize_messages, messages)
+
+    # ------------------------------------------------------------------ /tokenize, /detokenize
+
+    async def tokenize_text_async(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``text``'s tokens as a completion prompt gets them (``add_special_tokens``: BOS etc.)."""
+        check_text("prompt", text)
+        self.check_length_bound("prompt", len(text))
+        tok = self.engine.tokenizer
+        return await self.run_off_loop(lambda: list(tok.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def tokenize_chat_async(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                                  add_special_tokens: bool) -> list[int]:  # fmt: skip
+        """The tokens of ``messages`` rendered as the chat endpoint renders them."""
+        self._check_message_texts(messages)
+        tok = self.engine.tokenizer
+
+        def work() -> list[int]:
+            ids = list(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+            return tok.with_special_tokens(ids) if add_special_tokens else ids
+
+        return await self.run_off_loop(work)
+
+    async def token_texts_async(self, ids: list[int]) -> list[str]:
+        return await self.run_off_loop(self.engine.tokenizer.token_texts, ids)
+
+    async def detokenize_async(self, ids: Any) -> str:
+        """The text of token ids, special tokens included (vLLM's /detokenize); the ids are
+        checked (integers in [0, vocabulary size)) off the event loop too."""
+        tok = self.engine.tokenizer
+        if not isinstance(ids, list):
+            raise InvalidRequestError("tokens", "must be a list of integer token ids")
+
+        def work() -> str:
+            vocab = int(tok.vocab_size)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise InvalidRequestError("tokens", f"must be integer token ids in [0, {vocab})")
+            return tok.decode(ids, skip_special_tokens=False)
+
+        return await self.run_off_loop(work)
 
     # ------------------------------------------------------------------ input
 
@@ -206,7 +254,7 @@ class Frontend:
         if not isinstance(requested, str):
             raise InvalidRequestError("model", f"must be a string, got {type(requested).__name__}")
         check_name("model", requested)
-        if requested != self.model_name:
+        if requested not in self.served_model_names:
             raise UnknownModelError(requested, self.model_name)  # quotes it with repr: escaped
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
@@ -240,14 +288,40 @@ class Frontend:
             raise InvalidRequestError("messages", "the chat template produced an empty prompt")
         return ids
 
-    def make_params(self, f: SamplingFields, tenant: str | None = None) -> SamplingParams:
-        """Validated parameters; ``tenant`` is the caller's (``ApiKeyChecker.authenticate``)."""
+    def output_room(self, prompt_tokens: int) -> int:
+        """The most tokens a request with a ``prompt_tokens``-token prompt may generate: what
+        max_model_len leaves after the prompt, within what the KV cache holds for one request
+        (block count x block size, less the engine's lookahead) and ``server.max_tokens_cap``."""
+        room = self.engine.info.max_model_len - prompt_tokens
+        llm = getattr(self.engine, "engine", None)  # AsyncEngine -> LLMEngine (its KV blocks)
+        blocks = getattr(llm, "blocks", None)
+        if blocks is not None:
+            room = min(room, blocks.num_blocks * blocks.block_size - int(getattr(llm, "k", 0)) - prompt_tokens)
+        if self.cfg.max_tokens_cap is not None:
+            room = min(room, self.cfg.max_tokens_cap)
+        return room
+
+    def default_max_tokens(self, prompt_tokens: int, completions: bool = False) -> int:
+        """max_tokens for a request that sent none: ``server.default_max_tokens`` when set,
+        else 16 on ``/v1/completions`` (OpenAI's and vLLM's default there) and the whole room
+        elsewhere (chat, gRPC: vLLM's max_model_len - prompt tokens); always within the room.
+        At least 1, so a prompt with no room left is refused for its length, not for this."""
+        room = self.output_room(prompt_tokens)
+        wanted = self.cfg.default_max_tokens
+        if wanted is None:
+            wanted = COMPLETIONS_DEFAULT_MAX_TOKENS if completions else room
+        return max(1, min(wanted, room))
+
+    def make_params(self, f: SamplingFields, tenant: str | None = None, prompt_tokens: int = 1,
+                    completions: bool = False) -> SamplingParams:  # fmt: skip
+        """Validated parameters; ``tenant`` is the caller's (``ApiKeyChecker.authenticate``).
+        ``prompt_tokens`` (the longest prompt's, for several) sizes the default max_tokens."""
         params = SamplingParams(
             temperature=1.0 if f.temperature is None else f.temperature,
             top_p=1.0 if f.top_p is None else f.top_p,
             top_k=0 if f.top_k is None else f.top_k,
             min_p=0.0 if f.min_p is None else f.min_p,
-            max_tokens=self.cfg.default_max_tokens if f.max_tokens is None else f.max_tokens,
+            max_tokens=self.default_max_tokens(prompt_tokens, completions) if f.max_tokens is None else f.max_tokens,
             seed=f.seed,
             stop=[] if f.stop is None else f.stop,
             stop_token_ids=[] if f.stop_token_ids is None else f.stop_token_ids,

@@ -224,7 +224,7 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
         fields = sampling_fields(request.sampling_params)
         fields.cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        params = fe.make_params(fields, self._tenant(context))
+        params = fe.make_params(fields, self._tenant(context), len(ids))  # a default max_tokens fits the prompt
         params.prediction_token_ids = await fe.tokenize_prediction_async(request.prediction)
         return fe.prepare(request.request_id, ids, params)
 
@@ -291,6 +291,8 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             lossless=bool(info.lossless),
             tensor_parallel_size=int(getattr(info, "tensor_parallel_size", 1)),
             draft_tensor_parallel_size=int(getattr(info, "draft_tensor_parallel_size", 1)),
+            attention_backend=str(getattr(info, "attention_backend", "")),
+            rejection_backend=str(getattr(info, "rejection_backend", "")),
         )
 
 

@@ -2,10 +2,14 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` as server-sent events ending in ``data: [DONE]``),
-``GET /v1/models[/{model}]``, ``GET /health`` (200 serving / 503 not) and
+``GET /v1/models[/{model}]`` (one card per served name: ``model.name`` and
+``server.served_model_aliases``; a request may name any of them),
+``GET /health`` and ``GET``/``POST /ping`` (200 serving / 503 not; no key),
 ``GET /metrics`` (Prometheus text format; it needs a key whenever the API or
-``server.metrics_key`` has one: ``specserve.server.auth``).  A body's
-``cache_salt`` (vLLM's field) narrows the caller's cache partition further.
+``server.metrics_key`` has one: ``specserve.server.auth``), and vLLM's
+``GET /version``, ``POST /tokenize`` and ``POST /detokenize`` (tokenizing in the
+front end's worker threads, never on the event loop).  A body's ``cache_salt``
+(vLLM's field) narrows the caller's cache partition further.
 
 Both completion endpoints answer through ``openai_features.serve_choices`` (one
 path for one choice or many, whole or streamed).  Besides OpenAI's fields, every
@@ -24,7 +28,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -137,12 +141,13 @@ def _sampling_fields(body: dict[str, Any]) -> tuple[SamplingFields, str]:
     return fields, max_key
 
 
-def _params(fe: Frontend, body: dict[str, Any], features: Features | None = None, tenant: str | None = None):
+def _params(fe: Frontend, body: dict[str, Any], features: Features | None = None, tenant: str | None = None,
+            prompts: Sequence[list[int]] = (), completions: bool = False):  # fmt: skip
     fields, max_key = _sampling_fields(body)
     if features is not None:
         fields = dataclasses.replace(fields, **features.fields)
-    try:
-        return fe.make_params(fields, tenant)
+    try:  # a default max_tokens fits the longest prompt
+        return fe.make_params(fields, tenant, max(map(len, prompts), default=1), completions)
     except InvalidRequestError as exc:
         if exc.field == "max_tokens" and max_key != "max_tokens":  # name the field the client sent
             raise InvalidRequestError(max_key, str(exc).split(": ", 1)[1]) from None
@@ -204,7 +209,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=False)
     prompts, texts = await completion_prompts(fe, body)
-    params = _params(fe, body, features, request.get(TENANT_KEY))
+    params = _params(fe, body, features, request.get(TENANT_KEY), prompts, completions=True)
     params.prediction_token_ids = await _prediction(fe, body)
     return await serve_choices(request, fe, False, prompts, texts, params, features, stream, include_usage)
 
@@ -216,7 +221,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=True)
     ids = await fe.tokenize_messages_async(_chat_messages(body))
-    params = _params(fe, body, features, request.get(TENANT_KEY))
+    params = _params(fe, body, features, request.get(TENANT_KEY), [ids])
     params.prediction_token_ids = await _prediction(fe, body)
     return await serve_choices(request, fe, True, [ids], [None], params, features, stream, include_usage)
 
@@ -238,23 +243,75 @@ def _model_card(fe: Frontend) -> dict[str, Any]:
             "tensor_parallel_size": int(getattr(info, "tensor_parallel_size", 1)),
             "draft_tensor_parallel_size": int(getattr(info, "draft_tensor_parallel_size", 1)),
         },
+        "kernels": {  # what runs them after the start-up checks (kernels.backends)
+            "attention": str(getattr(info, "attention_backend", "unknown")),
+            "rejection": str(getattr(info, "rejection_backend", "unknown")),
+        },
     }
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[FRONTEND_KEY])]})
+    fe = request.app[FRONTEND_KEY]  # one card per served name, as vLLM lists its --served-model-name
+    card = _model_card(fe)
+    return web.json_response({"object": "list", "data": [{**card, "id": name} for name in fe.served_model_names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     fe = request.app[FRONTEND_KEY]
-    fe.check_model(request.match_info["model"])
-    return web.json_response(_model_card(fe))
+    name = request.match_info["model"]
+    fe.check_model(name)
+    return web.json_response({**_model_card(fe), "id": name})
 
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[FRONTEND_KEY].health
     serving = state.refresh()
     return web.json_response({"status": state.reason}, status=200 if serving else 503)
+
+
+# --------------------------------------------------------------------------- vLLM's extra routes
+
+
+async def version(request: web.Request) -> web.Response:
+    from specserve import __version__
+
+    return web.json_response({"version": __version__})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize``: ``prompt`` (+ ``add_special_tokens``, default true) or ``messages``
+    (+ ``add_generation_prompt`` true, ``add_special_tokens`` false), tokenized exactly as the
+    completion and chat endpoints tokenize them -> ``{count, max_model_len, tokens}`` (and
+    ``token_strs`` with ``return_token_strs: true``)."""
+    fe = request.app[FRONTEND_KEY]
+    body = await _read_json(request)
+    fe.check_model(body.get("model"))
+    for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "tools"):
+        if body.get(name) not in (None, False, {}, []):
+            raise InvalidRequestError(name, "is not supported by this server")
+    chat = body.get("messages") is not None
+    if chat == (body.get("prompt") is not None):
+        raise InvalidRequestError("prompt", "give either prompt (a string) or messages")
+    add_special = _optional_bool(body, "add_special_tokens") if "add_special_tokens" in body else not chat
+    if chat:
+        gen = _optional_bool(body, "add_generation_prompt") if "add_generation_prompt" in body else True
+        tokens = await fe.tokenize_chat_async(_chat_messages(body), gen, add_special)
+    else:
+        if not isinstance(body["prompt"], str):
+            raise InvalidRequestError("prompt", f"must be a string, got {type(body['prompt']).__name__}")
+        tokens = await fe.tokenize_text_async(body["prompt"], add_special)
+    out: dict[str, Any] = {"count": len(tokens), "max_model_len": fe.engine.info.max_model_len, "tokens": tokens}
+    if _optional_bool(body, "return_token_strs"):
+        out["token_strs"] = await fe.token_texts_async(tokens)
+    return web.json_response(out)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/detokenize``: ``{tokens: [ids]}`` -> ``{prompt: text}`` (special tokens kept)."""
+    fe = request.app[FRONTEND_KEY]
+    body = await _read_json(request)
+    fe.check_model(body.get("model"))
+    return web.json_response({"prompt": await fe.detokenize_async(body.get("tokens"))})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -326,5 +383,10 @@ def build_http_app(frontend: Frontend, checker: ApiKeyChecker) -> web.Applicatio
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)  # vLLM's (and SageMaker's) probe: GET and POST, like /health
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
     return app

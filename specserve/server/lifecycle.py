@@ -16,20 +16,28 @@ aborted at once and ends as a drain timeout ends it (a final message with
 finish_reason ``abort``, ``data: [DONE]`` for SSE streams), and the process
 exits as soon as those final messages are out -- the listeners stay open
 until then (at the latest until the drain deadline), so no response is lost.
+
+``exit_process`` ends the ``specserve`` process once ``run_server`` has
+returned: the exit hooks run and the output is flushed, but the interpreter's
+own teardown, which would garbage-collect every object of torch, transformers
+and the model for seconds after the drain, is skipped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import logging
+import os
 import signal
 import socket
 import ssl
+import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from aiohttp import web
@@ -95,6 +103,8 @@ def metrics_identity(engine: Any) -> MetricsIdentity:
         method=info.method or "none",
         num_speculative_tokens=int(info.num_speculative_tokens or 0),
         lossless=bool(info.lossless),
+        attention_backend=str(getattr(info, "attention_backend", "unknown")),
+        rejection_backend=str(getattr(info, "rejection_backend", "unknown")),
     )
 
 
@@ -336,6 +346,23 @@ def run_server(cfg: Config | ServerConfig, engine: Any) -> int:
     Raises ConfigError when a port cannot be bound or the TLS files cannot be read.
     """
     return asyncio.run(_serve(_server_config(cfg), engine))
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code`` after ``run_server`` (or any orderly shutdown) returned.
+
+    The exit hooks run (``atexit``: logging's flush, child processes, temporary files) and
+    stdout/stderr are flushed; then the process leaves without the interpreter's teardown.
+    That teardown frees nothing the operating system does not free, but it walks every
+    object torch, transformers and the engine created (a garbage collection of hundreds of
+    thousands of objects): it kept the process alive for seconds after the drain."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken pipe: nothing more can be said
+            pass
+    os._exit(code)
 
 
 async def _engine_fatal(engine: Any) -> None:

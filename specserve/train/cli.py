@@ -17,6 +17,30 @@ from specserve.errors import SpecServeError
 
 DEFAULT_PRESET = "train/smollm2-135m-eagle3"
 
+USAGE = """usage: specserve-train [--config-dir DIR] [--config-name train/PRESET] [--cfg] [-h] [OVERRIDE ...]
+
+Trains an EAGLE-3 draft head for the target model: generates the training data with
+the target, trains, evaluates the head's acceptance and exports it (speculators
+format) to output_dir.  The default preset, train/smollm2-135m-eagle3, trains the
+head shipped for the embedded model.  For example:
+  specserve-train data.num_conversations=200 optim.epochs=1 output_dir=outputs/my-head
+  specserve-train model.path=/models/my-llama output_dir=outputs/my-llama-eagle3
+
+Keys (the defaults of the schema; a preset may set others, see --cfg):
+{keys}
+The target is model.* and the engine that generates the data engine.*, as for
+`specserve` (model.dtype defaults to float32 here).  --cfg prints the composed
+config and exits.
+"""
+
+
+def help_text() -> str:
+    """What ``specserve-train --help`` prints: its usage and keys."""
+    from specserve.cli import keys_help
+    from specserve.train.config import TrainConfig
+
+    return USAGE.replace("{keys}", "\n".join(keys_help("", TrainConfig, skip=("model", "engine"))))
+
 
 def compose_train_config(argv: list[str]):
     from specserve.cli import UsageError, _parse_argv, compose_object
@@ -24,7 +48,7 @@ def compose_train_config(argv: list[str]):
 
     extra_dir, name, show, help_, overrides = _parse_argv(argv)
     if help_:
-        print(__doc__)
+        print(help_text())
         return None
     if name == "config":  # _parse_argv's default is the server's config
         name = DEFAULT_PRESET

@@ -183,7 +183,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "method", "num_speculative_tokens", "max_model_len", "dtype", "device", "lossless", "tensor_parallel_size", "draft_tensor_parallel_size")
+    __slots__ = ("model_name", "method", "num_speculative_tokens", "max_model_len", "dtype", "device", "lossless", "tensor_parallel_size", "draft_tensor_parallel_size", "attention_backend", "rejection_backend")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,8 @@ class ModelInfo(_message.Message):
     LOSSLESS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    REJECTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     method: str
     num_speculative_tokens: int
@@ -202,4 +204,6 @@ class ModelInfo(_message.Message):
     lossless: bool
     tensor_parallel_size: int
     draft_tensor_parallel_size: int
-    def __init__(self, model_name: _Optional[str] = ..., method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., lossless: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., draft_tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    attention_backend: str
+    rejection_backend: str
+    def __init__(self, model_name: _Optional[str] = ..., method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., lossless: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., draft_tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., rejection_backend: _Optional[str] = ...) -> None: ...

@@ -37,17 +37,18 @@ class StepGate:
         real_step = engine.step
 
         def step():
-            if self._steps_left == 0:
-                self._open.clear()
+            left = self._steps_left  # read once: release() may run at any moment
+            if left == 0:
                 self.holding.set()
-                self._open.wait()
-            elif self._steps_left is not None:
-                self._steps_left -= 1
+                self._open.wait()  # cleared by hold_after, so a release() at any time opens it
+            elif left is not None:
+                self._steps_left = left - 1
             return real_step()
 
         monkeypatch.setattr(engine, "step", step)
 
     def hold_after(self, steps: int) -> None:
+        self._open.clear()
         self._steps_left = steps
 
     def release(self) -> None:

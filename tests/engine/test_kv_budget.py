@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from engine_utils import tiny_config
 
-from specserve.engine.engine import _draft_bytes_per_block, draft_sizes
+from specserve.engine.engine import draft_sizes
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import load_model
+from specserve.proposers.base import TargetShape, memory_needs
 
 
 def test_a_draft_models_cache_is_counted_per_block(tiny_llama, tiny_draft):
@@ -15,8 +16,9 @@ def test_a_draft_models_cache_is_counted_per_block(tiny_llama, tiny_draft):
     cfg = tiny_config(tiny_llama, "draft_model", k=3, draft_dir=tiny_draft)
     d = load_model(str(tiny_draft), "float32", torch.device("cpu")).arch
     want = KVCache.bytes_per_block(d.num_layers, cfg.engine.block_size, d.num_kv_heads, d.head_dim, torch.float32)
-    assert _draft_bytes_per_block(cfg, target) == want > 0
-    assert _draft_bytes_per_block(tiny_config(tiny_llama, "ngram", k=3), target) == 0
+    shape = TargetShape(target.arch, 4, target.max_model_len, target.hf_dir)
+    assert memory_needs(cfg.method, shape, cfg.engine, cfg.draft).kv_bytes_per_block == want > 0
+    assert memory_needs(tiny_config(tiny_llama, "ngram", k=3).method, shape, cfg.engine).kv_bytes_per_block == 0
 
 
 def test_draft_sizes_are_the_captured_verification_sizes():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from specserve.engine.spec_control import SpecController, bucket_of
@@ -107,3 +109,40 @@ def test_without_seeded_costs_a_plain_step_is_measured_then_cheaper_k_are_tried(
     assert tried - {0, 4}  # cheaper k were tried once their cost was only assumed
     rates = {k: c.expected_tokens(k) / (0.030 + 0.002 * k + 0.003 + 0.002 * k) for k in range(5)}
     assert c.choose(1) == max(rates, key=rates.get)
+
+
+def test_changes_of_k_reach_info_at_most_once_per_interval_and_the_rest_is_debug(caplog):
+    now = [100.0]
+    c = SpecController(4, adaptive=True, probe_every=4, probe_max=4, log_interval_s=5.0, clock=lambda: now[0])
+    c.reached, c.accepted = [100.0] * 4, [30.0] * 4
+    winning = {(1, q): 0.010 for q in range(1, 6)}  # verification costs what a decode step costs
+    losing = {(1, q): 0.010 * q for q in range(1, 6)}  # verification costs q decode steps
+
+    def steps(costs: dict, n: int, dt: float) -> list[int]:
+        c.step_cost = {}
+        c.seed_costs(costs)
+        picks = []
+        for _ in range(n):
+            picks.append(c.choose(1))
+            now[0] += dt
+        return picks
+
+    def info() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+
+    caplog.set_level(logging.DEBUG, logger="specserve.engine.spec_control")
+    assert steps(losing, 12, 0.01) == [0, 0, 0, 4] * 3  # off, with a probe every 4 steps
+    assert info() == ["speculation: 0 drafts per step at batch 1 (was 4)"]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert sum("probing 4 drafts" in m for m in debug) == 3  # probes: DEBUG only
+    # The decision flips back and forth many times a second: still that one INFO line ...
+    for _ in range(20):
+        steps(winning, 1, 0.05)
+        steps(losing, 1, 0.05)
+    assert len(info()) == 1
+    # ... until the interval has passed: then one line with the decision as it is now.
+    now[0] += 5.0
+    steps(winning, 3, 0.01)
+    assert info()[1:] == ["speculation: 4 drafts per step at batch 1 (was 0; 41 changes since the last report)"]
+    assert steps(winning, 50, 0.2) == [4] * 50 and len(info()) == 2  # no change: nothing more
+    assert all(r.levelno in (logging.DEBUG, logging.INFO) for r in caplog.records)

@@ -28,7 +28,8 @@ KUBE_VERSION = "1.31.0"
 SERVICEMONITOR_API = "monitoring.coreos.com/v1/ServiceMonitor"
 KEDA_API = "keda.sh/v1alpha1/ScaledObject"
 LWS_API = "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet"
-ALL_CRD_APIS = (SERVICEMONITOR_API, KEDA_API, LWS_API)
+INFERENCEPOOL_API = "inference.networking.k8s.io/v1/InferencePool"
+ALL_CRD_APIS = (SERVICEMONITOR_API, KEDA_API, LWS_API, INFERENCEPOOL_API)
 CI_FILES = ("cpu-values.yaml", "gpu-eagle3-values.yaml", "tp-values.yaml")
 
 
@@ -110,6 +111,7 @@ class Chart:
     kube_version = KUBE_VERSION
     servicemonitor_api = SERVICEMONITOR_API
     keda_api = KEDA_API
+    inferencepool_api = INFERENCEPOOL_API
     all_crd_apis = ALL_CRD_APIS
     ci_files = CI_FILES
     HelmError = HelmError

@@ -328,6 +328,20 @@ def test_environment_and_cache(render):
     assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == "model-cache")
 
 
+def test_triton_cache_persists_on_the_model_cache(render):
+    """TRITON_CACHE_DIR lies on the model-cache volume (a PVC in this profile: the kernels the
+    engine compiles at start-up survive a restart), or in /tmp with tritonCache.location=tmp;
+    both are writable volumes under the read-only root filesystem."""
+    _, pod, c = server(render(("gpu-eagle3-values.yaml",)))
+    cache = next(m for m in c["volumeMounts"] if m["name"] == "model-cache")["mountPath"]
+    assert env_of(c)["TRITON_CACHE_DIR"]["value"] == f"{cache}/triton"
+    assert "persistentVolumeClaim" in next(v for v in pod["volumes"] if v["name"] == "model-cache")
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    _, _, c = server(render(("gpu-eagle3-values.yaml",), sets=("tritonCache.location=tmp",)))
+    assert env_of(c)["TRITON_CACHE_DIR"]["value"] == "/tmp/triton"
+    assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
+
+
 def test_existing_claim_is_used_not_created(render):
     docs = render(("tp-values.yaml",))
     _, pod, _ = server(docs)
@@ -387,7 +401,7 @@ def test_keda_scaledobject_only_with_its_api(render, chart):
     assert not objs(with_api, "HorizontalPodAutoscaler"), "KEDA owns the HPA"
     trig = so["spec"]["triggers"][0]
     assert trig["type"] == "prometheus"
-    assert "specserve_num_requests_waiting" in trig["metadata"]["query"]
+    assert trig["metadata"]["query"] == 'sum(vllm:num_requests_waiting{namespace="specserve",service="specserve"})'
     assert so["spec"]["scaleTargetRef"]["name"] == server(with_api)[0]["metadata"]["name"]
     assert "replicas" not in server(with_api)[0]["spec"]
     # Without the API: no ScaledObject; the HPA on the same metric takes over.
@@ -402,7 +416,7 @@ def test_hpa_scales_on_waiting_requests(render):
     assert hpa["apiVersion"] == "autoscaling/v2"
     (m,) = hpa["spec"]["metrics"]
     assert m["type"] == "Pods"
-    assert m["pods"]["metric"]["name"] == "specserve_num_requests_waiting"
+    assert m["pods"]["metric"]["name"] == "vllm:num_requests_waiting"  # vLLM's name: rules written for vLLM work
     assert m["pods"]["target"] == {"type": "AverageValue", "averageValue": "8"}
     assert "replicas" not in server(docs)[0]["spec"]
     assert not objs(render(), "HorizontalPodAutoscaler")
@@ -453,15 +467,16 @@ def test_grafana_dashboard(render):
     dash = json.loads(body)
     exprs = "\n".join(t["expr"] for p in dash["panels"] for t in p.get("targets", []))
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
-    for needle in (
-        "1 + sum(rate(specserve_spec_decode_num_accepted_tokens_total",
-        "specserve_spec_decode_num_accepted_tokens_per_pos_total",
-        "specserve_spec_decode_num_draft_tokens_total",
-        "specserve_generation_tokens_total",
-        "histogram_quantile(0.5, sum by (le, model_name, method) (rate(specserve_time_to_first_token_seconds_bucket",
-        "histogram_quantile(0.99, sum by (le, model_name, method) (rate(specserve_time_to_first_token_seconds_bucket",
-        "histogram_quantile(0.99, sum by (le, model_name, method) (rate(specserve_inter_token_latency_seconds_bucket",
-        "specserve_kv_cache_usage_perc",
+    for needle in (  # vLLM's names (docs/metrics.md); tests/test_dashboard.py checks them against the server
+        "1 + sum(rate(vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:num_requests_waiting",
+        "histogram_quantile(0.5, sum by (le, model_name) (rate(vllm:time_to_first_token_seconds_bucket",
+        "histogram_quantile(0.99, sum by (le, model_name) (rate(vllm:time_to_first_token_seconds_bucket",
+        "histogram_quantile(0.99, sum by (le, model_name) (rate(vllm:inter_token_latency_seconds_bucket",
+        "vllm:kv_cache_usage_perc",
     ):
         assert needle in exprs, needle
     for t in ("acceptance length", "per draft position", "tokens/s", "time to first token", "inter-token", "kv cache"):
@@ -542,6 +557,7 @@ BAD_VALUES = {
     "chart-managed-override": ({"config": {"extraOverrides": ["engine.device=cpu"]}}, "extraOverrides"),
     "gpu-in-resources": ({"resources": {"limits": {"nvidia.com/gpu": 1}}}, "nvidia.com/gpu"),
     "root-user": ({"podSecurityContext": {"runAsUser": 0, "runAsGroup": 0}}, "runAsUser"),
+    "unknown-triton-cache": ({"tritonCache": {"location": "hostPath"}}, "location"),
 }
 
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -53,6 +54,14 @@ class Proc:
     def log(self) -> str:
         return "".join(self.lines)
 
+    def logged(self, text: str) -> bool:
+        """Whether the process wrote ``text``: the reader thread may lag behind it, so wait for
+        the line (60 s: a safety net)."""
+        end = time.monotonic() + 60
+        while text not in self.log and time.monotonic() < end:
+            time.sleep(0.05)
+        return text in self.log
+
     def kill(self) -> None:
         if self.p.poll() is None:
             self.p.kill()
@@ -90,13 +99,13 @@ def test_leaderworkerset_group_on_one_machine(tiny_llama, expected):
     worker = Proc(argv, {**lws, "LWS_WORKER_INDEX": "1"})
     try:
         assert leader.ready.wait(120) and leader.port, leader.log[-3000:] + worker.log[-3000:]
-        assert "rank 1 of 2" in worker.log and "via leaderworkerset" in worker.log, worker.log[-2000:]
+        assert worker.logged("rank 1 of 2") and worker.logged("via leaderworkerset"), worker.log[-2000:]
         assert _generate(leader.port) == expected
         worker.p.send_signal(signal.SIGTERM)  # a worker pod's SIGTERM: it stays until rank 0 lets it go
         leader.p.send_signal(signal.SIGTERM)
         assert leader.p.wait(30) == 0, leader.log[-3000:]
         assert worker.p.wait(30) == 0, worker.log[-3000:]
-        assert "rank 1: shutdown" in worker.log
+        assert worker.logged("rank 1: shutdown"), worker.log[-2000:]
     finally:
         leader.kill()
         worker.kill()
@@ -115,6 +124,6 @@ def test_under_torchrun(tiny_llama, expected):
         assert _generate(run.port) == expected
         run.p.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks: rank 0 drains, rank 1 waits for it
         run.p.wait(60)
-        assert "rank 1: shutdown" in run.log, run.log[-3000:]
+        assert run.logged("rank 1: shutdown"), run.log[-3000:]
     finally:
         run.kill()

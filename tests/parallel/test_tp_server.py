@@ -11,8 +11,10 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -25,6 +27,32 @@ from tiny_models import make_tiny_model
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+# The `specserve` CLI with one test hook: while the file $SPECSERVE_TEST_GATE exists, rank 0's
+# engine runs one step with a request (the stream gets its first tokens), then holds its next
+# step (touching <gate>.held) until the file is removed.  So a stream is mid-generation for as
+# long as the test wants, whatever the machine's speed.
+GATED_CLI = textwrap.dedent(
+    """
+    import os, time
+    from specserve.engine.engine import LLMEngine
+
+    gate, real_step = os.environ["SPECSERVE_TEST_GATE"], LLMEngine.step
+
+    def gated_step(self):
+        if os.path.exists(gate) and self.requests:
+            if getattr(self, "gate_ran", False):
+                open(gate + ".held", "w").close()
+                while os.path.exists(gate):
+                    time.sleep(0.01)
+            self.gate_ran = True
+        return real_step(self)
+
+    LLMEngine.step = gated_step
+    from specserve.cli import main
+    main()
+    """
+)
+
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory) -> Path:
@@ -33,13 +61,14 @@ def long_model(tmp_path_factory) -> Path:
 
 
 class Served:
-    def __init__(self, model: Path, *extra: str):
-        argv = [sys.executable, "-m", "specserve.cli", "parallelism=tp2", f"model.path={model}", "model.name=tiny",
+    def __init__(self, model: Path, *extra: str, gate: Path | None = None):
+        cli = ["-c", GATED_CLI] if gate is not None else ["-m", "specserve.cli"]
+        argv = [sys.executable, *cli, "parallelism=tp2", f"model.path={model}", "model.name=tiny",
                 "model.dtype=float32", "server.host=127.0.0.1", "server.grpc_port=0", "server.http_port=0",
                 "engine.num_kv_blocks=1200", "engine.block_size=4", "engine.num_threads=1", "server.drain_timeout_s=20",
                 *extra]  # fmt: skip
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"SPECSERVE_TEST_GATE": str(gate)} if gate else {})}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.grpc_port = self.worker_pid = None
@@ -64,6 +93,11 @@ class Served:
     @property
     def log(self) -> str:
         return "".join(self.lines)
+
+    def logged(self, text: str) -> bool:
+        """Whether rank 0 wrote ``text``: the reader thread may lag behind the process, so wait
+        for it (60 s: a safety net)."""
+        return _poll(lambda: text in self.log, 60)
 
     def health(self) -> int:
         stub = health_pb2_grpc.HealthStub(self.channel)
@@ -107,13 +141,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_gone(pid: int, timeout: float) -> bool:
+def _poll(predicate: Callable[[], bool], timeout: float) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if not _alive(pid):
+        if predicate():
             return True
         time.sleep(0.05)
-    return False
+    return predicate()
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    return _poll(lambda: not _alive(pid), timeout)
 
 
 def test_sigterm_drains_and_every_rank_exits_0(long_model):
@@ -129,18 +167,22 @@ def test_sigterm_drains_and_every_rank_exits_0(long_model):
         assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH and sum(len(m.token_ids) for m in got) == 60
         assert s.proc.wait(30) == 0, s.log[-3000:]
         assert _wait_gone(s.worker_pid, 60)
-        assert "tensor-parallel worker rank 1 exited with code 0" in s.log, s.log[-3000:]
+        assert s.logged("tensor-parallel worker rank 1 exited with code 0"), s.log[-3000:]
     finally:
         s.close()
 
 
-def test_killing_the_worker_mid_stream_fails_fast_and_exits_non_zero(long_model):
-    s = Served(long_model)
+def test_killing_the_worker_mid_stream_fails_fast_and_exits_non_zero(long_model, tmp_path):
+    gate = tmp_path / "gate"
+    gate.touch()
+    s = Served(long_model, gate=gate)
     try:
         t, got, first = s.stream(3000)
         assert first.wait(30)
+        assert _poll((tmp_path / "gate.held").exists, 60), s.log[-3000:]  # held mid-stream: it cannot finish
         killed = time.monotonic()
         os.kill(s.worker_pid, signal.SIGKILL)
+        gate.unlink()  # rank 0's engine goes on, and meets the dead worker
         # Rank 0 turns NOT_SERVING, fails the stream, then exits non-zero by itself (the 120 s
         # bound is a safety net against a hang, not a latency requirement).
         seen_not_serving = None
@@ -158,7 +200,7 @@ def test_killing_the_worker_mid_stream_fails_fast_and_exits_non_zero(long_model)
         assert isinstance(got[-1], grpc.RpcError) and got[-1].code() == grpc.StatusCode.INTERNAL, got[-1]
         assert code != 0, (code, s.log[-3000:])
         # Health went NOT_SERVING before the exit (the log says so; a poll may miss the window).
-        assert "health: NOT_SERVING" in s.log and "exiting with code 1" in s.log, s.log[-3000:]
+        assert s.logged("health: NOT_SERVING") and s.logged("exiting with code 1"), s.log[-3000:]
         print(f"worker killed: NOT_SERVING seen after {seen_not_serving} s, rank 0 exited {code} after {exited:.2f} s")
     finally:
         s.close()
@@ -173,7 +215,7 @@ def test_killing_rank_0_takes_the_worker_down(long_model):
         os.kill(s.proc.pid, signal.SIGKILL)
         assert _wait_gone(s.worker_pid, 120), "the worker outlives rank 0"  # 120 s: a safety net
         print(f"rank 0 killed: worker gone after {time.monotonic() - killed:.2f} s")
-        t.join(10)
+        t.join(30)
         assert not t.is_alive()
     finally:
         s.close()

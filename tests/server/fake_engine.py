@@ -9,9 +9,10 @@ speculative engine does.  Stats go to the listeners like the real engine's.
 
 Knobs: ``step_delay_s`` (seconds per step), ``max_running`` (batch size;
 the rest wait), ``max_queue`` (QueueFullError beyond), ``hold`` (a
-threading.Event: while clear, running requests make no progress), ``fail()``
-(engine death), ``drain()``.  Records: ``requests``, ``aborted``,
-``finished``.
+threading.Event: while clear, running requests make no progress), ``stall``
+(a request for which ``stall(prompt_ids, step)`` holds makes no progress until
+it is aborted), ``fail()`` (engine death), ``drain()``.  Records: ``requests``,
+``aborted``, ``finished``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from specserve.engine.stats import RequestFinishedStats, RequestStepStats, StepStats
@@ -105,6 +106,7 @@ class FakeEngine:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.hold = threading.Event()
         self.hold.set()  # clear() to freeze running requests
+        self.stall: Callable[[list[int], int], bool] | None = None
         self.healthy = True
         self.started = False
         self.shut_down = False
@@ -191,7 +193,7 @@ class FakeEngine:
             text_sent = ""
             while True:
                 await asyncio.sleep(self.step_delay_s)
-                while (not self.hold.is_set() and not req.abort_requested and self.healthy) or self.silent_failure:
+                while self._frozen(req, step):
                     await asyncio.sleep(0.002)
                 if not self.healthy:
                     finished = True
@@ -254,6 +256,14 @@ class FakeEngine:
                 )  # fmt: skip
 
     # ---------------------------------------------------------------- helpers
+
+    def _frozen(self, req: _Req, step: int) -> bool:
+        """Whether ``req`` waits before its step ``step``: a hung engine, the hold, or its stall."""
+        if self.silent_failure:
+            return True
+        if req.abort_requested or not self.healthy:
+            return False
+        return not self.hold.is_set() or (self.stall is not None and self.stall(req.prompt_ids, step))
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:

@@ -183,7 +183,7 @@ def test_n16_copies_compile_once_and_never_on_the_engine_thread(served, spy):
                                          extra_body={"response_format": fmt})  # fmt: skip
     jsonschema.validate(json.loads(r.choices[0].text), schema)
     assert spy.count("zqn16") == 1
-    assert wait_for(served.idle, 5)
+    assert wait_for(served.idle)
 
 
 def test_a_held_compile_does_not_stall_a_greedy_neighbour(served, spy, neighbour_text):
@@ -202,7 +202,7 @@ def test_a_held_compile_does_not_stall_a_greedy_neighbour(served, spy, neighbour
     choice = structured_call.result.choices[0]
     assert re.fullmatch("zqheld[a-c]{3,6}", choice.text) and choice.finish_reason == "stop"
     assert ENGINE_THREAD not in spy.threads("zqheld")
-    assert wait_for(served.idle, 5)
+    assert wait_for(served.idle)
 
 
 # --------------------------------------------------------------------------- the compile budget
@@ -222,7 +222,7 @@ def test_grammar_over_the_size_budget_is_400_naming_the_field(served, monkeypatc
             max_tokens=8, json_schema=json.dumps(schema))), timeout=30)  # fmt: skip
     assert g.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "grammar_max_chars" in g.value.details()
     assert served.greedy() == neighbour_text
-    assert wait_for(served.idle, 5)
+    assert wait_for(served.idle)
 
 
 def test_grammar_over_the_time_budget_is_400_and_the_server_keeps_serving(served, spy, monkeypatch,
@@ -238,7 +238,7 @@ def test_grammar_over_the_time_budget_is_400_and_the_server_keeps_serving(served
     assert served.greedy() == neighbour_text
     r = served.client.completions.create(**_regex_body("zqfast[a-c]{2,4}"))
     assert re.fullmatch("zqfast[a-c]{2,4}", r.choices[0].text)
-    assert wait_for(served.idle, 5)
+    assert wait_for(served.idle)
 
 
 def test_grammar_over_the_parser_limits_is_400_not_an_empty_stop(served, monkeypatch, neighbour_text):
@@ -251,7 +251,7 @@ def test_grammar_over_the_parser_limits_is_400_not_an_empty_stop(served, monkeyp
     assert e.value.status_code == 400 and e.value.body["param"] == "regex"
     assert "limit" in e.value.body["message"]
     assert served.greedy() == neighbour_text
-    assert wait_for(served.idle, 5)
+    assert wait_for(served.idle)
 
 
 # --------------------------------------------------------------------------- aborts while compiling
@@ -285,11 +285,11 @@ def test_abort_while_the_compile_is_pending_drops_it(served, spy, monkeypatch):
     assert entered.wait(30), "the first compile never started"
     queued = call("zqqueued[a-c]{2,4}")  # waits for the only compile thread
     try:
-        assert wait_for(lambda: served.handle.servers.frontend.num_inflight == 2, 10)
-        wait_for(lambda: any("zqqueued" in t for t in _compiles_in_flight(served)), 10)  # joined, not started
+        assert wait_for(lambda: served.handle.servers.frontend.num_inflight == 2)
+        assert wait_for(lambda: any("zqqueued" in t for t in _compiles_in_flight(served)))  # joined, not started
         queued.cancel()
         running.cancel()
-        assert wait_for(lambda: served.handle.servers.frontend.num_inflight == 0, 10)
+        assert wait_for(lambda: served.handle.servers.frontend.num_inflight == 0)
     finally:
         spy.release()
     for f in (running, queued):
@@ -302,7 +302,7 @@ def test_abort_while_the_compile_is_pending_drops_it(served, spy, monkeypatch):
     assert spy.count("zqqueued") == 0
     assert spy.count("zqrunning") == 1
     assert len(admitted) == 1 and admitted[0].startswith("cmpl-")  # only the last request reached the engine
-    assert wait_for(served.idle, 5)
+    assert wait_for(served.idle)
 
 
 # --------------------------------------------------------------------------- grammar failures mid-generation
@@ -384,7 +384,7 @@ def test_mid_generation_failure_is_an_http_error_not_a_stop(served, monkeypatch,
     err, text = _with_neighbour(served, call)
     assert err.status_code == 500 and "grammar" in err.body["message"] and "regex" in err.body["message"]
     assert text == neighbour_text
-    assert wait_for(served.idle, 5)
+    assert wait_for(served.idle)
 
 
 def test_mid_generation_failure_streamed_is_an_in_band_error(served, monkeypatch, neighbour_text):
@@ -410,7 +410,7 @@ def test_mid_generation_failure_streamed_is_an_in_band_error(served, monkeypatch
     finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
     assert finishes == []  # never "stop"
     assert text == neighbour_text
-    assert wait_for(served.idle, 5)
+    assert wait_for(served.idle)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -430,7 +430,7 @@ def test_mid_generation_failure_is_a_grpc_status(served, monkeypatch, neighbour_
     err, text = _with_neighbour(served, call)
     assert err.code() == grpc.StatusCode.INTERNAL and "grammar" in err.details()
     assert text == neighbour_text
-    assert wait_for(served.idle, 5)
+    assert wait_for(served.idle)
 
 
 def test_mid_generation_failure_offline_is_not_a_stop(model_dir, monkeypatch):

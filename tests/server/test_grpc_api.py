@@ -128,7 +128,7 @@ def test_deadline_is_honoured_and_aborts(make_served):
     with pytest.raises(grpc.RpcError) as err:
         s.stub.Generate(
             pb.GenerateRequest(request_id="late", prompt="abc", sampling_params=pb.SamplingParams(max_tokens=60)),
-            timeout=2.0,  # only for the request to reach the engine; the hold makes it late
+            timeout=5.0,  # only for the request to reach the engine; the hold makes it late
         )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_for(lambda: "late" in engine.aborted)

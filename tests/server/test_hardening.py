@@ -40,7 +40,7 @@ LONG = 150  # tokens for a neighbour that must still be running while bad reques
 
 @pytest.fixture(scope="module")
 def served(tiny_llama):
-    s = RealServed(engine_config(tiny_llama), idle_timeout_s=1.0, body_timeout_s=1.0)
+    s = RealServed(engine_config(tiny_llama))  # default idle and body timeouts: uploads take what they take
     yield s
     s.close()
 
@@ -261,7 +261,7 @@ def test_client_mistakes_are_400_not_internal(served):
 def test_non_utf8_authorization_is_401(make_served_real):
     s = make_served_real(api_key="sekret")
     before = internal_errors(s, "sekret")
-    with socket.create_connection(("127.0.0.1", s.handle.http_port), timeout=5) as sock:
+    with socket.create_connection(("127.0.0.1", s.handle.http_port), timeout=30) as sock:
         body = b'{"prompt": "w1", "max_tokens": 1}'
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -309,8 +309,8 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     return False
 
 
-def test_idle_and_half_open_connections_are_closed(served):
-    s = served  # idle_timeout_s = body_timeout_s = 1 s
+def test_idle_and_half_open_connections_are_closed(make_served_real):
+    s = make_served_real(idle_timeout_s=1.0, body_timeout_s=1.0)  # its own server: short timers for this test only
     # The server's 1 s timers close them; the 30 s waits are only a safety net against a hang.
     with socket.create_connection(("127.0.0.1", s.handle.http_port)) as idle:
         assert closed_within(idle, 30.0)

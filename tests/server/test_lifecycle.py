@@ -72,8 +72,8 @@ def test_queue_full_is_resource_exhausted_and_429(make_served, limited_by):
     assert status == 429 and body["error"]["code"] == "queue_full"
 
     engine.hold.set()
-    t1.join(5)
-    t2.join(5)
+    t1.join(30)
+    t2.join(30)
     assert out1[-1].finish_reason == pb.FINISH_REASON_LENGTH and out2[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert s.stub.Generate(_req()).finish_reason == pb.FINISH_REASON_LENGTH
 
@@ -113,7 +113,7 @@ def test_engine_failure_turns_health_not_serving_and_fails_requests(make_served)
     thread, out = _stream_in_background(s, "inflight", 20)
     assert wait_for(lambda: engine.num_running == 1)
     engine.fail("CUDA went away")
-    thread.join(5)
+    thread.join(30)  # a safety net: the failure ends the stream at once
     assert not thread.is_alive(), "the in-flight stream hangs after an engine failure"
     assert isinstance(out[-1], grpc.RpcError) and out[-1].code() == grpc.StatusCode.INTERNAL
     assert "CUDA went away" in out[-1].details()
@@ -145,7 +145,7 @@ def test_engine_failure_mid_sse_ends_the_stream_with_an_error_event(make_served)
     engine = FakeEngine()
     hold_after_steps(engine, 1)  # the stream cannot finish before the failure
     s = make_served(engine)
-    conn = http.client.HTTPConnection("127.0.0.1", s.handle.http_port, timeout=5)
+    conn = http.client.HTTPConnection("127.0.0.1", s.handle.http_port, timeout=30)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 60, "stream": True}),
                  {"Content-Type": "application/json"})  # fmt: skip
     resp = conn.getresponse()
@@ -425,3 +425,56 @@ def test_second_signal_aborts_in_flight_requests_with_well_formed_ends_and_exits
     assert not isinstance(plain, grpc.RpcError), plain
     assert plain.finish_reason == pb.FINISH_REASON_ABORT and 0 < len(plain.token_ids) < 800
     assert proc.returncode == 0 and "servers stopped" in log, log[-3000:]
+
+
+# --------------------------------------------------------------------------- exit after the drain
+
+# The `specserve` command with a FakeEngine in place of the model.  An object that only the
+# interpreter's teardown frees says when that teardown ran.
+CLI_ON_FAKE_ENGINE = textwrap.dedent(
+    """
+    import atexit, sys
+    sys.path.insert(0, {tests!r})
+    from fake_engine import FakeEngine
+    import specserve.engine.async_engine as async_engine
+    async_engine.build_async_engine = lambda cfg: FakeEngine(step_delay_s=0.01)
+
+    class Teardown:
+        def __del__(self):
+            print("interpreter teardown", flush=True)
+
+    keep = Teardown()
+    atexit.register(print, "exit hooks ran", flush=True)
+    from specserve.cli import serve_main
+    sys.exit(serve_main(sys.argv[1:]))
+    """
+)
+
+
+def test_after_the_drain_the_process_exits_without_the_interpreter_teardown(tmp_path):
+    """The drain is the last work: the exit hooks run and the output is flushed, but the
+    teardown that garbage-collects every object of torch and the engine (seconds on a loaded
+    machine) is skipped."""
+    script = tmp_path / "cli.py"
+    script.write_text(CLI_ON_FAKE_ENGINE.format(tests=str(Path(__file__).parent)))
+    argv = [sys.executable, str(script), "server.host=127.0.0.1", "server.grpc_port=0", "server.http_port=0"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "SPECSERVE_API_KEY": ""})  # fmt: skip
+    try:
+        ports = None
+        for line in proc.stderr:
+            m = re.search(r"gRPC on [\d.]+:(\d+).*HTTP on http://[\d.]+:(\d+)", line)
+            if m:
+                ports = int(m.group(1)), int(m.group(2))
+                break
+        assert ports, "the server never reported its ports"
+        status, _ = http_call(f"http://127.0.0.1:{ports[1]}/v1/completions", {"prompt": "hi", "max_tokens": 3})
+        assert status == 200
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)  # a safety net only
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "servers stopped" in err  # the drain ran to its end and was logged
+    assert out.splitlines() == ["exit hooks ran"]  # ... the exit hooks ran, the teardown did not

@@ -88,7 +88,7 @@ def test_short_mixed_run_reports_no_unexpected_errors(make_served, tmp_path, fix
     assert report["after_run"] == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
 
 
-def test_hostile_requests_complete_and_new_bad_inputs_are_refused(make_served, tmp_path):
+def test_hostile_requests_complete_and_new_bad_inputs_are_refused(make_served, tmp_path, fixed_load):
     """Valid but adversarial requests (a forced-token stream, control tokens in chat content,
     json_schema with n=2, seeded sampling) complete; the bad inputs (gzip label on a plain
     body, an 8 KB model name, a 1 MB request id, bytes that are not protobuf) are refused."""
@@ -96,7 +96,7 @@ def test_hostile_requests_complete_and_new_bad_inputs_are_refused(make_served, t
     out = tmp_path / "r.json"
     rc = loadgen.main([
         "--grpc-target", f"127.0.0.1:{s.handle.grpc_port}", "--http-url", f"http://localhost:{s.handle.http_port}",
-        "--clients", "2", "--duration-s", "1", "--cancel-fraction", "0", "--bad-fraction", "0.5",
+        "--clients", "2", "--duration-s", "120", "--cancel-fraction", "0", "--bad-fraction", "0.5",
         "--hostile-fraction", "0.5", "--hostile-token-id", "7", "--max-tokens", "6", "--output", str(out),
     ])  # fmt: skip
     report = json.loads(out.read_text())

@@ -76,7 +76,7 @@ def plain(model_dir):
 
 def _both(spec, plain, fn):
     a, b = fn(spec.client), fn(plain.client)
-    assert wait_for(spec.idle, 5) and wait_for(plain.idle, 5)
+    assert wait_for(spec.idle) and wait_for(plain.idle)
     return a, b
 
 
@@ -198,7 +198,7 @@ def test_n_choices_indexes_and_seeds(spec, stream):
     again = spec.client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=3, temperature=1.0, seed=7,
                                            max_tokens=8)  # fmt: skip
     assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts  # reproducible
-    assert wait_for(spec.idle, 5)
+    assert wait_for(spec.idle)
 
 
 def test_best_of_returns_the_most_likely(spec):
@@ -208,7 +208,7 @@ def test_best_of_returns_the_most_likely(spec):
     sums = [sum(c.logprobs.token_logprobs) for c in r.choices]
     assert sums[0] >= sums[1]
     assert r.usage.completion_tokens == 4 * 8  # every candidate was generated
-    assert wait_for(spec.idle, 5)
+    assert wait_for(spec.idle)
 
 
 def test_n4_uses_the_prompt_blocks_once_and_prefix_metrics(spec):
@@ -259,7 +259,7 @@ def test_grpc_logprobs_and_json_schema(spec, plain):
             return r, chunks
 
     (ra, ca), (rb, cb) = call(spec), call(plain)
-    assert wait_for(spec.idle, 5) and wait_for(plain.idle, 5)
+    assert wait_for(spec.idle) and wait_for(plain.idle)
     assert ra.text == rb.text and list(ra.token_ids) == list(rb.token_ids)
     jsonschema.validate(json.loads(ra.text), SCHEMA)
     assert len(ra.logprobs) == len(ra.token_ids) and all(len(e.top_logprobs) == 2 for e in ra.logprobs)

@@ -112,7 +112,7 @@ def test_completions_with_prediction_equal_without(served, stream):
         acc, rej = _details(usage)
         assert acc > MAX_TOKENS // 2 and rej > 0
         assert usage.completion_tokens == MAX_TOKENS
-    assert wait_for(served.kv_free, 3.0)
+    assert wait_for(served.kv_free)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -125,7 +125,7 @@ def test_chat_with_prediction_equal_without(served, stream):
     assert acc > MAX_TOKENS // 2 and rej > 0
     text, usage = _chat(served, ref, stream)
     assert text == ref and _details(usage)[1] == 0
-    assert wait_for(served.kv_free, 3.0)
+    assert wait_for(served.kv_free)
 
 
 def test_grpc_with_prediction_equal_without(served):
@@ -142,7 +142,7 @@ def test_grpc_with_prediction_equal_without(served):
         last = msgs[-1].usage
         assert (last.accepted_prediction_tokens, last.rejected_prediction_tokens) == (
             r.usage.accepted_prediction_tokens, r.usage.rejected_prediction_tokens)
-    assert wait_for(served.kv_free, 3.0)
+    assert wait_for(served.kv_free)
 
 
 @pytest.mark.parametrize(
@@ -170,4 +170,4 @@ def test_bad_grpc_prediction_is_invalid_argument(served):
         served.stub.Generate(req)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("prediction:")
-    assert wait_for(served.kv_free, 3.0)
+    assert wait_for(served.kv_free)

@@ -120,19 +120,20 @@ class StepGate:
         real_step = llm.step
 
         def step():
-            if self._steps_left is not None and llm.has_unfinished():
-                if self._steps_left == 0:
-                    self._open.clear()
+            left = self._steps_left  # read once: release() may run at any moment
+            if left is not None and llm.has_unfinished():
+                if left == 0:
                     self.holding.set()
-                    self._open.wait()
+                    self._open.wait()  # cleared by hold_after, so a release() at any time opens it
                     self.holding.clear()
                 else:
-                    self._steps_left -= 1
+                    self._steps_left = left - 1
             return real_step()
 
         monkeypatch.setattr(llm, "step", step)
 
     def hold_after(self, steps: int) -> None:
+        self._open.clear()
         self._steps_left = steps
 
     def release(self) -> None:
@@ -354,9 +355,9 @@ def test_grpc_deadline_is_deadline_exceeded_and_frees_kv(served, rpc, gate):
     gate.hold_after(1)
     with pytest.raises(grpc.RpcError) as err:
         if rpc == "Generate":
-            served.stub.Generate(req, timeout=2.0)
+            served.stub.Generate(req, timeout=5.0)
         else:
-            list(served.stub.GenerateStream(req, timeout=2.0))
+            list(served.stub.GenerateStream(req, timeout=5.0))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     gate.wait_holding()
     assert served.llm.blocks.num_free < served.llm.blocks.num_blocks  # held KV when the deadline passed

@@ -97,7 +97,7 @@ def test_tls_on_grpc_and_http(self_signed):
                 pb_grpc.SpecServeStub(plain).GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
 
         ctx = ssl.create_default_context(cafile=str(cert))
-        with urllib.request.urlopen(f"https://localhost:{handle.http_port}/v1/models", context=ctx, timeout=5) as r:
+        with urllib.request.urlopen(f"https://localhost:{handle.http_port}/v1/models", context=ctx, timeout=30) as r:
             assert json.loads(r.read())["data"][0]["id"] == "fake-model"
     finally:
         handle.stop()

@@ -119,7 +119,7 @@ spec:
         - name: XDG_CACHE_HOME
           value: /tmp/.cache
         - name: TRITON_CACHE_DIR
-          value: /tmp/triton
+          value: {{ ternary (printf "%s/triton" .Values.modelCache.mountPath) "/tmp/triton" (eq .Values.tritonCache.location "modelCache") | quote }}
         - name: PYTHONUNBUFFERED
           value: "1"
         {{- with .Values.huggingface.tokenSecret.name }}

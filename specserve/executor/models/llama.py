@@ -228,12 +228,15 @@ class LlamaModel(nn.Module):
             aux[len(self.layers)] = x
         return x, aux
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden: (N, H) -> logits (N, V) in float32."""
+    def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
+        """hidden: (N, H) -> logits (N, V) in float32; written into ``out`` (N, V) float32
+        when given (a persistent buffer: no float32 temporary)."""
         if isinstance(self.lm_head, PackedLinear):
-            return self.lm_head(hidden).float()
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+            logits = self.lm_head(hidden)
+        else:
+            w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, w)
+        return logits.float() if out is None else out.copy_(logits)
 
     def prepack(self) -> None:
         """Swap every projection (and the LM head) for a PackedLinear (CPU bf16)."""
