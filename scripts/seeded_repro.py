@@ -29,7 +29,7 @@ from specserve.data import bench_prompts
 from specserve.engine.engine import LLMEngine
 from specserve.request import SamplingParams
 from specserve.sampling.philox import SAMPLE, keyed_uniforms, seed_to_int64
-from specserve.sampling.processors import SamplingTensors, logits_to_probs
+from specserve.sampling.filters import SamplingTensors, logits_to_probs
 
 METHODS = {
     "ngram": ["+method=ngram"],

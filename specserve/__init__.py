@@ -3,12 +3,13 @@
 __version__ = "0.1.0"
 
 # The vLLM-shaped offline API, imported on first use so `import specserve` stays light.
+# SamplingParams is the vLLM-spelled door (specserve.compat); specserve.request holds the plain one.
 _LAZY = {
     "LLM": "specserve.llm",
     "AsyncLLM": "specserve.llm",
     "CompletionOutput": "specserve.llm",
     "GenerationOutput": "specserve.llm",
-    "SamplingParams": "specserve.request",
+    "SamplingParams": "specserve.compat",
     "StructuredOutputsParams": "specserve.request",
 }
 __all__ = ["__version__", *_LAZY]

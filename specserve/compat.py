@@ -5,13 +5,14 @@ People arrive with vLLM code: ``LLM(model, speculative_config={...})``,
 keywords, some of them made up by how-tos (``speculative_sampling=True``,
 ``speculative_model=``, ``speculative_ratio=``).  This module turns the real
 ones into the Hydra overrides the ``specserve`` command line takes, so they
-compose and validate through exactly the same path (``specserve.cli
+compose and validate through exactly the same path (``specserve.compose
 .compose_config``) and fail with the same one-line errors; the made-up and
 removed ones fail with one line saying what to write instead.
 
 * ``engine_overrides(...)``: ``LLM(...)`` keywords / ``specserve serve`` flags -> overrides
 * ``speculative_overrides(dict)``: vLLM's ``speculative_config`` -> ``+method=..``, ``method.*``
-* ``sampling_params_kwargs(...)``: vLLM's ``SamplingParams`` keywords -> specserve's
+* ``SamplingParams(...)``: vLLM's ``SamplingParams`` keywords -> ``specserve.request.SamplingParams``
+  (the translation is ``sampling_params_kwargs``; ``from specserve import SamplingParams`` is this one)
 * ``compose(overrides)``: the CLI's compose + validate, errors raised as ``ConfigError``
 """
 
@@ -24,6 +25,7 @@ import os
 import re
 from typing import Any
 
+from specserve import request
 from specserve.config import EngineConfig
 from specserve.errors import ConfigError, SpecServeError
 
@@ -91,7 +93,7 @@ def override(key: str, value: Any) -> str:
 
 
 def _presets(group: str) -> set[str]:
-    from specserve.cli import conf_dir
+    from specserve.compose import conf_dir
 
     return {p.stem for p in (conf_dir() / group).glob("*.yaml")}
 
@@ -328,7 +330,7 @@ def compose(overrides: list[str], config_dir: Any = None):
     """Compose and validate exactly as the ``specserve`` command line does.
 
     Errors are ``ConfigError`` with the CLI's one line (``<key>: <what is allowed>``)."""
-    from specserve.cli import UsageError, compose_config
+    from specserve.compose import UsageError, compose_config
 
     argv = (["--config-dir", os.fspath(config_dir)] if config_dir is not None else []) + list(overrides)
     try:
@@ -393,3 +395,13 @@ def sampling_params_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
                 key, f"SamplingParams() got an unknown argument {key!r}; its arguments are: {', '.join(names)}"
             )
     return out
+
+
+class SamplingParams(request.SamplingParams):
+    """vLLM's ``SamplingParams``: a ``specserve.request.SamplingParams`` made from vLLM's
+    keywords by ``sampling_params_kwargs`` (one ``stop`` string, ``None`` lists, no-op vLLM
+    keywords dropped; anything else a one-line ``UnsupportedArgumentError``).  The engine
+    treats it as the plain class: the translation is all this subclass adds."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **sampling_params_kwargs(request.SamplingParams, kwargs))

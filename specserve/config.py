@@ -3,9 +3,12 @@
 YAML presets in ``conf/`` only select and override; Python validates once, in
 ``validate_config`` (called by ``specserve.cli`` right after
 ``OmegaConf.to_object``).  Every error names the full key and what is allowed.
-Hydra lets ``+key=value`` add any key; ``unknown_keys`` finds the ones the schema
-lacks and ``unknown_key_message`` names the closest real key (difflib).
-No torch here.
+The ``method`` section is the selected method's options class, from the method
+registry (``specserve.methods``): each method's schema is stored as
+``method/<name>_schema`` and its preset selects it, so a key of another method
+fails in composition.  Hydra lets ``+key=value`` add any key; ``unknown_keys``
+finds the ones the schema lacks and ``unknown_key_message`` names the closest
+real key (difflib).  No torch here.
 """
 
 from __future__ import annotations
@@ -16,29 +19,15 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from specserve.errors import ConfigError
+from specserve.methods import (SpeculativeConfig, as_method_options, get_method, method_names, methods, option_keys,
+                               owners_of)
+from specserve.speculators_format import compose_speculation
 
 CPU_KERNELS = ("auto", "fused", "torch")  # engine.cpu_kernel
 CUDA_GRAPH_MODES = ("auto", "off")  # engine.cuda_graphs
 KERNEL_BACKENDS = ("auto", "triton", "torch")  # engine.attention_backend, engine.rejection_backend
 SPECULATION_MODES = ("auto", "adaptive", "fixed")  # engine.speculation
 
-METHODS = (
-    "ngram",
-    "draft_model",
-    "suffix",
-    "eagle",
-    "eagle3",
-    "mtp",
-    "mlp_speculator",
-    "dflash",
-    "layer_skip",
-)
-# Methods whose proposer exists in this build; the others are valid names that
-# a later release implements, and selecting them fails early with a clear line.
-IMPLEMENTED_METHODS = (
-    "ngram", "draft_model", "suffix", "eagle", "eagle3", "layer_skip", "mtp", "mlp_speculator", "dflash",
-)
-METHODS_WITHOUT_MODEL = ("ngram", "suffix", "mtp", "layer_skip")
 REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -60,35 +49,6 @@ class ModelConfig:
     # Directory for converted-weight caches (GGUF dequantisation is slow);
     # default: $SPECSERVE_CACHE_DIR or ~/.cache/specserve.
     cache_dir: Optional[str] = None
-
-
-@dataclass
-class SpeculativeConfig:
-    """The speculative config (vLLM's ``speculative_config`` keys)."""
-
-    method: str = ""
-    model: Optional[str] = None
-    num_speculative_tokens: Optional[int] = None
-    draft_tensor_parallel_size: Optional[int] = None
-    max_model_len: Optional[int] = None
-    parallel_drafting: bool = False
-    rejection_sample_method: str = "strict"
-    synthetic_acceptance_rate: Optional[float] = None
-    prompt_lookup_min: Optional[int] = None
-    prompt_lookup_max: Optional[int] = None
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 10000
-    # Estimated memory (bytes) of the global suffix trees, all tenants together; the
-    # oldest responses are evicted first beyond it or beyond max_cached_requests.
-    suffix_decoding_max_cached_bytes: int = 1 << 30
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
-    # layer_skip (self-speculation): target layer ids the draft skips, or null = choose
-    # round(skip_ratio * layers) by calibrating on about skip_calibration_tokens prompt
-    # tokens of the first requests (specserve/proposers/layer_skip.py).
-    skip_layers: Optional[list[int]] = None
-    skip_ratio: float = 0.5
-    skip_calibration_tokens: int = 128
 
 
 @dataclass
@@ -259,6 +219,8 @@ def register_configs(cs: Any) -> None:
     """Register the schema in a Hydra ConfigStore (passed in: no globals here)."""
     cs.store(name="specserve_schema", node=Config)
     cs.store(group="method", name="specserve_method_schema", node=SpeculativeConfig)
+    for spec in methods():  # conf/method/<name>.yaml selects its method's schema: its keys and types
+        cs.store(group="method", name=f"{spec.name}_schema", node=spec.options(method=spec.name))
     cs.store(group="model", name="specserve_model_schema", node=ModelConfig)
     cs.store(group="draft", name="specserve_draft_schema", node=ModelConfig)
 
@@ -315,16 +277,15 @@ def validate_model(prefix: str, m: ModelConfig) -> None:
         _int(f"{prefix}.max_model_len", m.max_model_len, 1)
 
 
-def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[ModelConfig]) -> None:
+def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[ModelConfig]) -> SpeculativeConfig:
+    """Check the ``method`` section: the keys every method shares here, the method's own
+    keys by its options class (``validate``), what it can do by its registration.
+    Returns ``s`` as the method's options class (``specserve.methods.as_method_options``)."""
     p = "method"
     if not s.method:
-        raise ConfigError(f"{p}.method", f"is required; one of {', '.join(METHODS)}")
-    _choice(f"{p}.method", s.method, METHODS)
-    if s.method not in IMPLEMENTED_METHODS:
-        raise ConfigError(
-            f"{p}.method",
-            f"{s.method!r} is not implemented in this build yet; available: {', '.join(IMPLEMENTED_METHODS)}",
-        )
+        raise ConfigError(f"{p}.method", f"is required; one of {', '.join(method_names())}")
+    method = get_method(s.method)
+    s = as_method_options(s)
     if s.num_speculative_tokens is None:
         raise ConfigError(f"{p}.num_speculative_tokens", "is required (K, drafts per step, an integer > 0)")
     _int(f"{p}.num_speculative_tokens", s.num_speculative_tokens, 1)
@@ -354,43 +315,20 @@ def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[Mod
             raise ConfigError(f"{p}.synthetic_acceptance_rate", f"must be a number in [0, 1], got {r!r}")
     elif s.rejection_sample_method == "synthetic":
         raise ConfigError(f"{p}.synthetic_acceptance_rate", "is required with rejection_sample_method=synthetic")
-    if s.parallel_drafting and s.method not in ("eagle", "draft_model", "dflash"):
-        raise ConfigError(f"{p}.parallel_drafting", f"is only supported for eagle and draft_model, not {s.method}")
-    # n-gram window: one key mirrors the other; both omitted means 5/5.
-    lo, hi = s.prompt_lookup_min, s.prompt_lookup_max
-    if lo is None and hi is None:
-        lo = hi = 5
-    elif lo is None:
-        lo = hi
-    elif hi is None:
-        hi = lo
-    _int(f"{p}.prompt_lookup_min", lo, 1)
-    _int(f"{p}.prompt_lookup_max", hi, 1)
-    if lo > hi:
-        raise ConfigError(f"{p}.prompt_lookup_min", f"must be <= method.prompt_lookup_max ({hi}), got {lo}")
-    s.prompt_lookup_min, s.prompt_lookup_max = lo, hi
-    _int(f"{p}.suffix_decoding_max_tree_depth", s.suffix_decoding_max_tree_depth, 1)
-    _int(f"{p}.suffix_decoding_max_cached_requests", s.suffix_decoding_max_cached_requests, 0)
-    _int(f"{p}.suffix_decoding_max_cached_bytes", s.suffix_decoding_max_cached_bytes, 0)
-    if not s.suffix_decoding_max_spec_factor > 0:
-        raise ConfigError(f"{p}.suffix_decoding_max_spec_factor", "must be > 0")
-    if not 0.0 <= s.suffix_decoding_min_token_prob <= 1.0:
-        raise ConfigError(f"{p}.suffix_decoding_min_token_prob", "must be in [0, 1]")
-    r = s.skip_ratio
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r < 1.0:
-        raise ConfigError(f"{p}.skip_ratio", f"must be in (0, 1) (1 would skip every layer), got {r!r}")
-    _int(f"{p}.skip_calibration_tokens", s.skip_calibration_tokens, 16)
-    if s.method not in METHODS_WITHOUT_MODEL and not s.model and draft is None:
+    if s.parallel_drafting and not method.parallel_drafting:
+        able = ", ".join(m.name for m in methods() if m.parallel_drafting)
+        raise ConfigError(f"{p}.parallel_drafting", f"is only supported by {able}, not {s.method}")
+    s.validate()
+    if method.needs_model and not s.model and draft is None:
         raise ConfigError(
             f"{p}.model",
             f"method {s.method} needs a draft model: set method.model=<path> or pick a preset with draft=<name>",
         )
+    return s
 
 
 def validate_config(cfg: Config) -> Config:
     """Validate the whole config once; raise ConfigError naming the key."""
-    from specserve.speculators_format import compose_speculation
-
     given_path = cfg.model.path  # as the user gave it, before a speculators directory is resolved
     compose_speculation(cfg)  # a speculators directory as the model; the shipped EAGLE-3 head by default
     validate_model("model", cfg.model)
@@ -410,12 +348,13 @@ def validate_config(cfg: Config) -> Config:
             "parallelism.pipeline_parallel_size", "only 1 is supported in this build; use parallelism.tensor_parallel_size"
         )
     if cfg.method is not None:
-        validate_speculative(cfg.method, par.tensor_parallel_size, cfg.draft)
+        cfg.method = validate_speculative(cfg.method, par.tensor_parallel_size, cfg.draft)
         dtp = cfg.method.draft_tensor_parallel_size
-        if dtp is not None and dtp > 1 and cfg.method.method != "draft_model":
+        if dtp is not None and dtp > 1 and not get_method(cfg.method.method).tensor_parallel:
+            sharding = ", ".join(m.name for m in methods() if m.tensor_parallel)
             raise ConfigError(
                 "method.draft_tensor_parallel_size",
-                f"{cfg.method.method} drafts on rank 0 in this build: use 1 (only draft_model shards its draft)",
+                f"{cfg.method.method} drafts on rank 0 in this build: use 1 (only {sharding} shards its draft)",
             )
     _int("parallelism.master_port", par.master_port, 1)
     if par.master_port > 65535:
@@ -523,15 +462,21 @@ def _section_schema(hint: Any) -> Optional[type]:
     return None
 
 
-def schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
-    """Every key of ``schema`` as a dotted path (``engine.max_num_seqs``), sections included."""
+def schema_keys(schema: type = Config, prefix: str = "", method: Optional[str] = None) -> list[str]:
+    """Every key of ``schema`` as a dotted path (``engine.max_num_seqs``), sections included;
+    under ``method``, the keys of the method called ``method``, or of any method when it is
+    None or not registered (each method's schema has its own)."""
     hints = typing.get_type_hints(schema)
     out: list[str] = []
     for f in fields(schema):
         out.append(prefix + f.name)
         section = _section_schema(hints[f.name])
-        if section is not None:
-            out += schema_keys(section, f"{prefix}{f.name}.")
+        if section is SpeculativeConfig:
+            chosen = get_method(method).options if method in method_names() else None
+            keys = [k.name for k in fields(chosen)] if chosen is not None else option_keys()
+            out += [f"{prefix}{f.name}.{key}" for key in keys]
+        elif section is not None:
+            out += schema_keys(section, f"{prefix}{f.name}.", method)
     return out
 
 
@@ -547,20 +492,30 @@ def unknown_keys(tree: Any, schema: type = Config, prefix: str = "") -> list[str
             out.append(path)
             continue
         section = _section_schema(hints[key])
+        if section is SpeculativeConfig and isinstance(value, dict):
+            if value.get("method") not in method_names():
+                continue  # validation names method.method
+            section = get_method(value["method"]).options  # the selected method's keys
         if section is not None:
             out += unknown_keys(value, section, path + ".")
     return out
 
 
-def unknown_key_message(key: str) -> str:
-    """One line for a key the schema lacks: the closest real key (difflib: first among its
-    section's keys, then any section's), else the keys its section has."""
+def unknown_key_message(key: str, method: Optional[str] = None) -> str:
+    """One line for a key the schema lacks (``method``: the method selected, when known):
+    the method that reads it when it is another method's key, else the closest real key
+    (difflib: first among its section's keys, then any section's), else the keys its
+    section has."""
     hint = MISPLACED_KEY_HINTS.get(key)
     if hint:
         return f"{key}: is not a valid key here; {hint}"
-    keys = schema_keys()
-    sections = {k.rpartition(".")[0] for k in keys if "." in k}
     section, _, leaf = key.rpartition(".")
+    owners = owners_of(leaf) if section == "method" else ()
+    if owners:  # another method's key
+        which = f"method {method}" if method in method_names() else "the method selected"
+        return f"{key}: is not a key of {which}; only {', '.join(f'+method={o}' for o in owners)} reads it"
+    keys = schema_keys(method=method)
+    sections = {k.rpartition(".")[0] for k in keys if "." in k}
     own = {k.rpartition(".")[2]: k for k in keys if section in sections and k.rpartition(".")[0] == section}
     match = difflib.get_close_matches(leaf, list(own), n=1, cutoff=0.6)
     if match:

@@ -15,12 +15,14 @@ result is in ``llm.config``, the overrides in ``llm.hydra_overrides``), so a
 bad key fails with the command line's one-line ``ConfigError``.  Requests run
 on ``LLMEngine`` (continuous batching) with the tokenizer and chat template
 the servers use, so greedy output equals ``specserve-generate`` and the servers.
+``SamplingParams`` here is the vLLM-spelled one (``specserve.compat.SamplingParams``, a
+subclass that only translates keywords); a plain ``specserve.request.SamplingParams`` works too.
 
 Log-probabilities: ``SamplingParams(logprobs=k)`` fills ``outputs[0].logprobs`` as vLLM
 does, one ``{token_id: Logprob(logprob, rank, decoded_token)}`` per output token (the
 sampled token and the k most likely), and ``cumulative_logprob``;
 ``prompt_logprobs=k`` fills ``GenerationOutput.prompt_logprobs`` (None for the first
-prompt token).  The values are the target's (``specserve.sampling.logits_processors``).
+prompt token).  The values are the target's (``specserve.sampling.logits_controls``).
 
 Async: ``AsyncLLM`` streams (``async for out in llm.generate(prompt, params)``)
 from an engine thread; ``await LLM.agenerate(prompts, params)`` (a name from a
@@ -41,10 +43,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specserve.compat import compose, engine_overrides
+from specserve import request
+from specserve.compat import SamplingParams, compose, engine_overrides
 from specserve.config import Config
 from specserve.errors import InvalidRequestError
-from specserve.request import RequestOutput, SamplingParams, SpecDecodeStats, TokenLogprob
+from specserve.request import RequestOutput, SpecDecodeStats, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +216,9 @@ def _prompt_list(prompts: Any) -> list[Any]:
 def _params_list(params: Any, n: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in range(n)]
-    if isinstance(params, SamplingParams):
+    if isinstance(params, request.SamplingParams):  # vLLM-spelled (compat's) or plain
         return [params] * n
-    if isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params):
+    if isinstance(params, (list, tuple)) and all(isinstance(p, request.SamplingParams) for p in params):
         if len(params) != n:
             raise InvalidRequestError(
                 "sampling_params", f"got {len(params)} for {n} prompts; give one, or one per prompt"
@@ -281,7 +284,7 @@ def _build(model: Any, speculative_config: Any, tensor_parallel_size: Any, dtype
         hydra_overrides = [hydra_overrides]
     overrides += list(hydra_overrides)
     cfg = compose(overrides, config_dir)
-    from specserve.cli import _cap_onednn_isa
+    from specserve.compose import _cap_onednn_isa
 
     _cap_onednn_isa(cfg)  # effective only if torch is not loaded yet
     return cfg, overrides

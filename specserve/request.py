@@ -1,4 +1,10 @@
-"""Requests, sampling parameters and outputs: pure Python, no torch."""
+"""Sampling parameters, outputs and finish reasons: plain dataclasses, no torch.
+
+The bottom of the package: imports only the standard library and ``specserve.errors``.
+``SamplingParams`` takes its own field names and checks its own ranges (``validate``);
+vLLM's keyword spellings (``stop="x"``, ``n=1``, ...) are translated at the vLLM-shaped
+door, ``specserve.compat.SamplingParams`` (``from specserve import SamplingParams``).
+"""
 
 from __future__ import annotations
 
@@ -97,7 +103,7 @@ class SamplingParams:
     min_tokens: int = 0
     # Log-probabilities: None = none; k >= 0 = each emitted token's log-probability plus
     # the k most likely tokens (at most MAX_LOGPROBS).  prompt_logprobs likewise for the
-    # prompt's tokens (the first has none).  See specserve.sampling.logits_processors.
+    # prompt's tokens (the first has none).  See specserve.sampling.logits_controls.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -122,7 +128,7 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     def _validate_logits_controls(self, vocab_size: int | None) -> None:
-        """Ranges of the issue-#13 fields (part of ``SamplingParams.validate``)."""
+        """Ranges of the logits controls and log-probability fields (part of ``SamplingParams.validate``)."""
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(name, value)
@@ -279,7 +285,7 @@ class SpecDecodeStats:
 
 @dataclass
 class TokenLogprob:
-    """A token's log-probability (``specserve.sampling.logits_processors`` defines which
+    """A token's log-probability (``specserve.sampling.logits_controls`` defines which
     distribution) and the ``k`` most likely tokens at its position, most likely first."""
 
     token_id: int
@@ -316,22 +322,3 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_ids: list[int] | None = None  # set together with prompt_logprobs (echo)
-
-
-def _vllm_keywords(init):
-    """Wrap the dataclass ``__init__``: vLLM-style keywords (``stop="x"``, ``None``
-    lists) are accepted, and any keyword this class lacks -- a vLLM one it does not
-    implement, or a made-up speculative knob such as ``speculative_sampling`` --
-    raises a one-line TypeError saying what to use instead (``specserve.compat``)."""
-
-    def __init__(self, *args, **kwargs):
-        from specserve.compat import sampling_params_kwargs
-
-        init(self, *args, **sampling_params_kwargs(SamplingParams, kwargs))
-
-    __init__.__wrapped__ = init
-    __init__.__qualname__ = init.__qualname__
-    return __init__
-
-
-SamplingParams.__init__ = _vllm_keywords(SamplingParams.__init__)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from specserve.compat import (
@@ -197,10 +198,9 @@ def _typed(name: str, value: str) -> Any:
     return value
 
 
-def serve_main(argv: list[str]) -> int:
-    """``specserve serve ...``: translate, then run the normal server path (or print, with --dry-run)."""
-    from specserve import cli
-
+def serve_main(argv: list[str], run: Callable[[list[str]], int]) -> int:
+    """``specserve serve ...``: translate, then ``run(overrides)``, the normal server path
+    that ``specserve.cli`` passes in (or print, with --dry-run)."""
     try:
         overrides, notes, dry_run = translate(argv)
     except _Help:
@@ -215,11 +215,11 @@ def serve_main(argv: list[str]) -> int:
     if dry_run:
         return _dry_run(overrides, hydra_form)
     print(f"{PROG}: running as: {hydra_form}", file=sys.stderr, flush=True)
-    return cli._run(overrides, cli._serve)
+    return run(overrides)
 
 
 def _dry_run(overrides: list[str], hydra_form: str) -> int:
-    from specserve.cli import UsageError, check_device, compose_config, config_yaml
+    from specserve.compose import UsageError, check_device, compose_config, config_yaml
 
     print("# the Hydra command line this translates to:")
     print(hydra_form)

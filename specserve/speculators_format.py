@@ -1,6 +1,7 @@
 """Config composition for draft heads (pure Python: json, no torch).
 
-Two steps run before validation (``config.validate_config``):
+Two steps run before validation (``config.validate_config`` calls
+``compose_speculation``; this module reads the method registry, not the config):
 
 1. A speculators checkpoint (vllm-project/speculators: ``config.json`` with
    ``speculators_config``) served as the model enables speculation by itself,
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.errors import ConfigError
+from specserve.methods import method_options
 
 # (method, target model.path) -> the head used when none is given
 DEFAULT_HEADS = {
@@ -72,8 +74,6 @@ def _verifier_path(cfg: dict[str, Any], head_dir: str) -> str:
 
 def compose_speculation(cfg: Any) -> None:
     """Apply both composition steps to a ``config.Config`` in place."""
-    from specserve.config import SpeculativeConfig
-
     spec_cfg = read_speculators_config(cfg.model.path)
     if spec_cfg is not None:
         head_dir = cfg.model.path
@@ -83,7 +83,7 @@ def compose_speculation(cfg: Any) -> None:
             raise ConfigError("model.path", f"{head_dir} is a speculators checkpoint for {algo!r}; this build "
                                             f"serves {', '.join(SPECULATORS_ALGORITHMS)} speculators")
         if cfg.method is None:
-            cfg.method = SpeculativeConfig(method=method, num_speculative_tokens=speculative_tokens(spec_cfg))
+            cfg.method = method_options(method, num_speculative_tokens=speculative_tokens(spec_cfg))
         if cfg.method.model is None and cfg.draft is None:
             cfg.method.model = head_dir
         cfg.model.path = _verifier_path(spec_cfg, head_dir)

@@ -66,7 +66,7 @@ def expand(overrides: list[str]) -> list[Job]:
     """The cartesian product of the overrides' sweep values (first override slowest)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from specserve.cli import UsageError
+    from specserve.compose import UsageError
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -358,7 +358,7 @@ def say_once() -> Iterator[SayOnce]:
 
 def run_sweep(argv: list[str], runner: Runner | None = None) -> int:
     """argv: specserve-bench's arguments without -m. Returns the exit code."""
-    from specserve.cli import _cap_onednn_isa, _parse_argv, compose_config
+    from specserve.compose import _cap_onednn_isa, _parse_argv, compose_config
 
     extra_dir, name, show, help_, overrides = _parse_argv(argv)
     flags = [f"--config-dir={extra_dir}"] if extra_dir else []
@@ -367,7 +367,7 @@ def run_sweep(argv: list[str], runner: Runner | None = None) -> int:
     if show:
         flags.append("--cfg")
     if help_:
-        from specserve.cli import help_text
+        from specserve.compose import help_text
 
         print(help_text(PROG))
         return 0
@@ -415,7 +415,7 @@ def run_sweep(argv: list[str], runner: Runner | None = None) -> int:
 
 def main(argv: list[str]) -> int:
     """specserve-bench -m ...: the same one-line errors and exit code 2 as the other entry points."""
-    from specserve.cli import UsageError
+    from specserve.compose import UsageError
     from specserve.errors import SpecServeError
 
     logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),

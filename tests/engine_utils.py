@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.config import Config, ModelConfig, SpeculativeConfig, validate_config
+from specserve.config import Config, ModelConfig, validate_config
 from specserve.engine.engine import LLMEngine
+from specserve.methods import method_options
 from specserve.request import SamplingParams
 
 
@@ -22,11 +23,12 @@ def tiny_config(model_dir: Path, method: str | None = None, k: int = 3, num_bloc
     cfg.engine.speculation = speculation
     cfg.engine.num_kv_blocks = num_blocks
     cfg.engine.block_size = block_size
-    if method is not None:
+    if method == "ngram":
         spec_kw.setdefault("prompt_lookup_min", 1)
         spec_kw.setdefault("prompt_lookup_max", 3)
-        cfg.method = SpeculativeConfig(method=method, num_speculative_tokens=k,
-                                       model=str(draft_dir) if draft_dir else None, **spec_kw)
+    if method is not None:
+        cfg.method = method_options(method, num_speculative_tokens=k, model=str(draft_dir) if draft_dir else None,
+                                    **spec_kw)
     return validate_config(cfg)
 
 

@@ -149,11 +149,12 @@ def test_llm_removed_knob_is_one_line_before_loading_anything(knob, value):
 
 
 def test_sampling_params_accepts_vllm_keywords_at_their_no_op_values():
-    assert specserve.SamplingParams is specserve.request.SamplingParams
+    assert specserve.SamplingParams is specserve.compat.SamplingParams  # the door translates; request.py is plain
     p = SamplingParams(temperature=0.8, top_p=0.95, top_k=-1, min_p=0.0, max_tokens=7, seed=3, stop="w9",
                        stop_token_ids=None, ignore_eos=False, n=1, presence_penalty=0.0, frequency_penalty=0,
                        repetition_penalty=1.0, logprobs=None, skip_special_tokens=True)  # fmt: skip
     assert p.stop == ["w9"] and p.stop_token_ids == [] and p.validate() is p and p.top_k == 0
+    assert isinstance(p, specserve.request.SamplingParams)
 
 
 @pytest.mark.parametrize("kw, key", [

@@ -40,14 +40,15 @@ from specserve.executor.runner import ModelRunner
 from specserve.kernels.backends import choose_attention, choose_rejection
 from specserve.parallel.plan import draft_tensor_parallel_size
 from specserve.proposers import DraftRequest, Proposer, build_proposer
-from specserve.proposers.base import KV_LAYERS, ProposerContext, TargetShape, memory_needs
+from specserve.methods import get_method
+from specserve.proposers.base import ProposerContext, TargetShape, memory_needs
 from specserve.proposers.prediction import PredictedOutputs
 from specserve.request import FinishReason, RequestOutput, SamplingParams
 from specserve.sampling.philox import random_seed, seed_to_int64
 from specserve.sampling.sampler import DeviceSampler, unpack
-from specserve.engine.controls import logprob_lists, plan_step
+from specserve.engine.step_controls import logprob_lists, plan_step
 from specserve.engine.memory import DeviceFigures, MemoryBudget, plan_memory
-from specserve.sampling.logits_processors import logprob_columns
+from specserve.sampling.logits_controls import logprob_columns
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def memory_budget(cfg: Config, target: LoadedModel, k: int, graphs: bool, static
                             cuda=target.device.type == "cuda", cuda_graphs=graphs)
         needs = memory_needs(spec, shape, e, cfg.draft)
     if device is None and target.device.type == "cuda":
-        from specserve.executor.static_runner import profile_cuda_memory
+        from specserve.executor.device_profile import profile_cuda_memory
 
         if e.num_kv_blocks is not None or e.kv_cache_memory_gib is not None:
             _, total = torch.cuda.mem_get_info(target.device)
@@ -149,7 +150,7 @@ class LLMEngine:
         cuda = target.device.type == "cuda"
         single = getattr(target, "tp", None) is None  # TP runs eager torch (no static runner or graphs)
         graphs = cuda and single and e.cuda_graphs != "off"
-        extra = KV_LAYERS.get(spec.method, 0) if spec is not None and proposer is None else 0
+        extra = get_method(spec.method).kv_layers if spec is not None and proposer is None else 0
         # Every device allocation is counted before the KV cache gets what is left (engine.memory).
         self.memory_budget = memory_budget(cfg, target, self.k, graphs, cuda and single, extra,
                                            with_method=proposer is None)
@@ -394,7 +395,7 @@ class LLMEngine:
         return jobs
 
     def _prompt_logprobs(self, jobs: list[tuple], fwd) -> None:
-        from specserve.engine.controls import prompt_logprob_lists
+        from specserve.engine.step_controls import prompt_logprob_lists
 
         for st, first, nxt in jobs:
             rows = list(range(first, first + len(nxt)))

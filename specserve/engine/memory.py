@@ -15,8 +15,8 @@ before the KV cache, which gets what is left.
            + proposer transient   (the method's largest temporary while drafting)
            + (num_blocks + 1) x (target KV bytes per block + the method's own KV bytes per block)
 
-Each method declares its part (``specserve.proposers.base.MemoryNeeds``, registered
-next to its builder), from config files and checkpoint headers only, because a method
+Each method declares its part (``specserve.proposers.base.MemoryNeeds``, named by its
+registration: ``specserve.methods.MethodSpec.memory``), from config files and checkpoint headers only, because a method
 loads its weights and allocates its caches after the KV cache is sized.  The +1
 block is each cache's trash block (padding writes).  Transients of different phases
 (the forward, verification, drafting) are added, not overlapped: the caching
@@ -234,7 +234,7 @@ def plan_memory(cfg: Any, target: Any, *, k: int, graphs: bool, static: bool, ex
     ``k``: the engine's K (verification positions K+1 per request); ``graphs``: decode and
     verification steps are captured (CUDA graphs); ``static``: the persistent-buffer step
     runner runs the target (CUDA, one device); ``extra_layers``: the method's layers in the
-    engine's KV cache (``KV_LAYERS``); ``needs``: the method's ``MemoryNeeds`` (None = no
+    engine's KV cache (``MethodSpec.kv_layers``); ``needs``: the method's ``MemoryNeeds`` (None = no
     method, or a proposer built by the caller); ``device``: the device's figures (None =
     no device budget: the configured or CPU default KV size)."""
     e, a = cfg.engine, target.arch

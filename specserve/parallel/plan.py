@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.errors import ConfigError
+from specserve.methods import get_method
 
 TP_KEY = "parallelism.tensor_parallel_size"
 
@@ -115,10 +116,10 @@ def describe(plans: list[ShardPlan]) -> str:
 
 def draft_tensor_parallel_size(method: Any, tp: int) -> int:
     """The draft's TP: ``method.draft_tensor_parallel_size``, by default the target's for
-    a draft model (as vLLM) and 1 for everything else (heads and model-free methods
-    draft on rank 0)."""
+    a method whose draft shards (``MethodSpec.tensor_parallel``: a draft model, as vLLM)
+    and 1 for everything else (heads and model-free methods draft on rank 0)."""
     if method is None:
         return 1
-    if method.method == "draft_model":
+    if get_method(method.method).tensor_parallel:
         return method.draft_tensor_parallel_size or tp
     return 1

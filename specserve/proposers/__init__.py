@@ -1,10 +1,9 @@
-"""Draft proposers: one protocol (``base.Proposer``) and a registry keyed by method.
+"""Draft proposers: one protocol (``base.Proposer``) and one module per method.
 
-Importing this package registers the built-in proposers.
+Which methods exist is the method registry's (``specserve.methods``); a proposer
+module is imported when its method is built (``build_proposer``), not here.
 """
 
-from specserve.proposers import draft_model, eagle, ngram, suffix  # noqa: F401  (registration)
-from specserve.proposers import dflash, layer_skip, mlp_speculator, mtp  # noqa: F401  (registration: issue #12's methods)
-from specserve.proposers.base import PROPOSERS, DraftRequest, Proposal, Proposer, build_proposer
+from specserve.proposers.base import DraftRequest, Proposal, Proposer, build_proposer
 
-__all__ = ["PROPOSERS", "DraftRequest", "Proposal", "Proposer", "build_proposer"]
+__all__ = ["DraftRequest", "Proposal", "Proposer", "build_proposer"]

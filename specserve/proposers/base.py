@@ -1,8 +1,9 @@
-"""The proposer protocol and the registry keyed by ``method.method``.
+"""The proposer protocol, and building a method's proposer through the method registry.
 
 A leaf module: it imports nothing of the engine.  A proposer sees only its own
-config section and a read-only view of each sequence; adding a method is a new
-module that calls ``register`` plus a YAML preset.
+options (``method.*``) and a read-only view of each sequence.  Which methods exist,
+their options and where their builders live is the registry's (``specserve.methods``):
+``build_proposer`` and ``memory_needs`` import a method's proposer module on first use.
 
 Each method also declares the device memory it will hold (``MemoryNeeds``: its own KV
 bytes per block, its weights, graphs and temporaries), computed from config files and
@@ -24,8 +25,7 @@ from typing import Any, Callable, Protocol
 
 from torch import Tensor
 
-from specserve.config import SpeculativeConfig
-from specserve.errors import ConfigError
+from specserve.methods import SpeculativeConfig, as_method_options, get_method, load
 
 
 class SeqView(Protocol):
@@ -85,7 +85,7 @@ class ProposerContext:
     engine: Any  # EngineConfig
     num_kv_blocks: int  # the target's KV block count (a draft KV cache mirrors it)
     # The engine's KVCache (its layers past the target's belong to the proposer: see
-    # KV_LAYERS) and BlockManager (sequences' block tables); None where not built by an engine.
+    # MethodSpec.kv_layers) and BlockManager (sequences' block tables); None where not built by an engine.
     kv: Any = None
     blocks: Any = None
     cache_dir: Any = None  # model.cache_dir (where the fused CPU kernel library is built), None = default
@@ -116,38 +116,21 @@ class MemoryNeeds:
     aux_layers: int = 0  # target hidden states it reads from each forward (the step outputs keep them)
 
 
-Factory = Callable[[SpeculativeConfig, ProposerContext], Proposer]
-# (method config, target, EngineConfig, the draft group's ModelConfig or None) -> needs
+Factory = Callable[[SpeculativeConfig, ProposerContext], Proposer]  # MethodSpec.proposer
+# (the method's options, target, EngineConfig, the draft group's ModelConfig or None) -> needs: MethodSpec.memory
 MemoryFn = Callable[[SpeculativeConfig, TargetShape, Any, Any], MemoryNeeds]
-PROPOSERS: dict[str, Factory] = {}
-MEMORY: dict[str, MemoryFn] = {}
-# KV-cache layers a method keeps in the engine's cache after the target's (an EAGLE
-# head's one layer): the engine allocates them inside its KV budget.
-KV_LAYERS: dict[str, int] = {}
-
-
-def register(method: str, kv_layers: int = 0, memory: MemoryFn | None = None) -> Callable[[Factory], Factory]:
-    """``memory``: the method's declaration of ``MemoryNeeds`` (None: it holds nothing on the device)."""
-
-    def deco(factory: Factory) -> Factory:
-        PROPOSERS[method] = factory
-        if kv_layers:
-            KV_LAYERS[method] = kv_layers
-        if memory is not None:
-            MEMORY[method] = memory
-        return factory
-
-    return deco
 
 
 def memory_needs(spec: SpeculativeConfig, target: TargetShape, engine: Any, draft: Any = None) -> MemoryNeeds:
     """What ``spec.method`` will hold on the device, asked before the KV cache is sized."""
-    fn = MEMORY.get(spec.method)
-    return fn(spec, target, engine, draft) if fn is not None else MemoryNeeds()
+    method = get_method(spec.method)
+    if method.memory is None:
+        return MemoryNeeds()
+    fn: MemoryFn = load(method.memory)
+    return fn(as_method_options(spec), target, engine, draft)
 
 
 def build_proposer(spec: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
-    factory = PROPOSERS.get(spec.method)
-    if factory is None:
-        raise ConfigError("method.method", f"no proposer for {spec.method!r}; available: {', '.join(sorted(PROPOSERS))}")
-    return factory(spec, ctx)
+    """The proposer of ``spec.method``, built by its registered builder."""
+    factory: Factory = load(get_method(spec.method).proposer)
+    return factory(as_method_options(spec), ctx)

@@ -39,11 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specserve.config import SpeculativeConfig
 from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT, kv_bytes_per_block, rotary_bytes, step_activation_bytes
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.executor.models.llama import ArchConfig, DecoderLayer, RMSNorm, Rotary, apply_rotary
-from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
+from specserve.methods import SpeculativeConfig
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
 from specserve.proposers.heads import DraftColumns, OwnCacheHead, fuse_layer, read_tensor_shapes, read_tensors
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ class DFlashProposer(OwnCacheHead):
 
 
 
-def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
     """The draft's weights (tensor headers) and cache (its layers), one more layer's worth
     per block for a drafting forward's context gather (every drafting request's context
     K/V of one layer: at most that layer's cache), and the temporaries of a round: the
@@ -280,8 +280,7 @@ def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memo
     )
 
 
-@register("dflash", memory=_memory)
-def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DFlashProposer:
+def build(spec: SpeculativeConfig, ctx: ProposerContext) -> DFlashProposer:
     path = spec.model or (ctx.draft_model.path if ctx.draft_model is not None else None)
     key = "method.model" if spec.model else "draft.path"
     ck = load_dflash(path, key, ctx.target)

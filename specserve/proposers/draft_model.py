@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specserve.config import SpeculativeConfig
 from specserve.engine.memory import (decoder_weight_bytes, graph_output_bytes, graph_pool_bytes, kv_bytes_per_block,
                                      rotary_bytes, runner_buffer_bytes, step_activation_bytes)
 from specserve.kv_blocks import BlockManager
@@ -24,7 +23,8 @@ from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.runner import ModelRunner
-from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
+from specserve.methods import SpeculativeConfig
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
 
 
 @dataclass
@@ -216,7 +216,7 @@ def runner_needs(a, dtype_bytes: int, max_len: int, engine, k: int, target: Targ
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
     """The draft's weights and ``runner_needs``, from its config.json (nothing loaded)."""
     path = spec.model or (draft.path if draft is not None else None)
     if not path:
@@ -235,8 +235,7 @@ def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memo
     return replace(needs, weight_bytes=decoder_weight_bytes(a, dt) + rotary_bytes(a.head_dim, max_len))
 
 
-@register("draft_model", memory=_memory)
-def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
+def build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
     path = spec.model or (ctx.draft_model.path if ctx.draft_model is not None else None)
     key = "method.model" if spec.model else "draft.path"
     dtype = ctx.draft_model.dtype if ctx.draft_model is not None else "auto"

@@ -46,7 +46,6 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from specserve.config import SpeculativeConfig
 from specserve.engine.memory import (VERIFY_BYTES_PER_LOGIT, graph_pool_bytes, kv_bytes_per_block,
                                      padded_attention_bytes, rotary_bytes, step_activation_bytes)
 from specserve.errors import ConfigError
@@ -55,12 +54,13 @@ from specserve.executor.eagle_loader import build_head, check_against_target, re
 from specserve.executor.eagle_loader import read_tensors as read_head_tensors
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.eagle import EagleHead
-from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
+from specserve.methods import SpeculativeConfig
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
 from specserve.proposers.head_graphs import HeadDraftGraphs
 from specserve.proposers.heads import (draft_uniforms, head_metadata, narrow, read_columns, read_tensor_shapes,
                                        step_metadata)
 from specserve.request import GREEDY_EPS
-from specserve.sampling.processors import SamplingTensors, logits_to_probs, sample_from_probs
+from specserve.sampling.filters import SamplingTensors, logits_to_probs, sample_from_probs
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +265,6 @@ def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
     key = "method.model" if spec.model else "draft.path"
     if not path:
         raise ConfigError("method.model", f"method {spec.method} needs a head: set method.model=<dir> or draft=<preset>")
-    if spec.parallel_drafting:
-        raise ConfigError("method.parallel_drafting", "parallel drafting (P-EAGLE) is not implemented in this build")
     if spec.max_model_len is not None and spec.max_model_len > ctx.target.max_model_len:
         raise ConfigError("method.max_model_len",
                           f"{spec.max_model_len} exceeds the target's max_model_len ({ctx.target.max_model_len})")
@@ -296,7 +294,7 @@ def eagle_memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) ->
     """The head's part, from its config.json and tensor headers (nothing loaded): its
     weights (the target's embeddings and LM head are shared unless it brings its own),
     a cache layer of its own when its attention shape differs from the target's (else
-    the engine's extra layer: ``KV_LAYERS``), the draft graphs on CUDA, and its largest
+    the engine's extra layer: ``MethodSpec.kv_layers``), the draft graphs on CUDA, and its largest
     temporaries: consuming a step's rows (eagerly, through the reference attention's
     padded gather) and a draft step's logits (with sampling and q when probabilistic)."""
     path = spec.model or (draft.path if draft is not None else None)
@@ -341,6 +339,3 @@ def _head_graph_bytes(head, k: int, max_num_seqs: int, max_seq_len: int, block_s
     buffers = staging + B * head.hidden_size * dtype_bytes + 4 * (B + 1) + 8 * B * k
     return buffers + graph_pool_bytes(B, head, dtype_bytes) + 2 * B * head.vocab_size * 4  # + the float32 logits
 
-
-register("eagle", kv_layers=1, memory=eagle_memory)(build_eagle)
-register("eagle3", kv_layers=1, memory=eagle_memory)(build_eagle)

@@ -33,7 +33,7 @@ from specserve.kv_blocks import BlockManager
 from specserve.proposers.base import Proposal
 from specserve.request import GREEDY_EPS
 from specserve.sampling.philox import DRAFT, keyed_uniforms
-from specserve.sampling.processors import SamplingTensors, logits_to_probs, sample_from_probs
+from specserve.sampling.filters import SamplingTensors, logits_to_probs, sample_from_probs
 
 
 def draft_uniforms(seqs: list, positions: list[int], device: torch.device) -> Tensor:

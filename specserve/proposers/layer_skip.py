@@ -39,7 +39,7 @@ stay exact.
 Memory: the compact cache ((L - round(skip_ratio * L)) layers, or L minus the layers
 given) is allocated when the proposer is built, right after the engine's cache, and
 the draft's graphs and the calibration's scratch cache and forward are declared
-(``_memory``), so the engine's budget holds them before the KV cache is sized.
+(``memory``), so the engine's budget holds them before the KV cache is sized.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.config import SpeculativeConfig
 from specserve.engine.memory import kv_bytes_per_block, step_activation_bytes
 from specserve.errors import ConfigError
 from specserve.executor.attention import batch_metadata
@@ -62,7 +61,8 @@ from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel
 from specserve.executor.runner import ModelRunner
 from specserve.kv_blocks import BlockManager
-from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
+from specserve.methods.layer_skip import LayerSkipOptions
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
 from specserve.proposers.draft_model import DraftModelProposer, runner_needs
 
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ def _fused_forward(target: LoadedModel, full: Any, kv: KVCache, batch: StepBatch
 class LayerSkipProposer:
     aux_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, spec: SpeculativeConfig, ctx: ProposerContext):
+    def __init__(self, spec: LayerSkipOptions, ctx: ProposerContext):
         self.target: LoadedModel = ctx.target
         self.k = spec.num_speculative_tokens
         self.ctx = ctx
@@ -358,7 +358,7 @@ def calibration_bytes(a, tokens: int, dtype_bytes: int) -> int:
     return scratch + step_activation_bytes(a, tokens, tokens, dtype_bytes)
 
 
-def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+def memory(spec: LayerSkipOptions, target: TargetShape, engine, draft) -> MemoryNeeds:
     """The compact cache and the draft's runner (the target's kept layers: no weights of
     its own), and calibration's temporaries when the layers are to be chosen."""
     L = target.arch.num_layers
@@ -371,6 +371,5 @@ def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memo
     return needs
 
 
-@register("layer_skip", memory=_memory)
-def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> LayerSkipProposer:
+def build(spec: LayerSkipOptions, ctx: ProposerContext) -> LayerSkipProposer:
     return LayerSkipProposer(spec, ctx)

@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specserve.config import SpeculativeConfig
 from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT
 from specserve.errors import ConfigError, ModelLoadError
-from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
+from specserve.methods import SpeculativeConfig
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
 from specserve.proposers.heads import DraftColumns, HeadSampler, narrow, read_tensors
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class MLPSpeculatorProposer:
         pass  # nothing per request
 
 
-def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
     """The stages' weights from config.json (each stage holds its own tensors, tied ones
     copied), and a stage's logits per round (with sampling and q when probabilistic)."""
     path = spec.model or (draft.path if draft is not None else None)
@@ -166,12 +166,9 @@ def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memo
                        draft_probs_bytes=B * k * V * 4 if probabilistic else 0, aux_layers=1)
 
 
-@register("mlp_speculator", memory=_memory)
-def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> MLPSpeculatorProposer:
+def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MLPSpeculatorProposer:
     path = spec.model or (ctx.draft_model.path if ctx.draft_model is not None else None)
     key = "method.model" if spec.model else "draft.path"
-    if spec.parallel_drafting:
-        raise ConfigError("method.parallel_drafting", "is not supported by mlp_speculator (its stages are sequential)")
     target = ctx.target
     model = load_mlp_speculator(path, key, target.arch.hidden_size, target.arch.vocab_size)
     if spec.num_speculative_tokens > model.n_predict:

@@ -48,14 +48,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from specserve.config import SpeculativeConfig
 from specserve.engine.memory import (VERIFY_BYTES_PER_LOGIT, kv_bytes_per_block, padded_attention_bytes,
                                      step_activation_bytes)
 from specserve.errors import ConfigError
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.loader import LoadedModel
 from specserve.executor.models.llama import DecoderLayer, RMSNorm
-from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape, register
+from specserve.methods import SpeculativeConfig
+from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
 from specserve.proposers.heads import (DraftColumns, OwnCacheHead, fuse_layer, narrow, read_tensor_shapes, read_tensors,
                                        step_metadata)
 
@@ -240,7 +240,7 @@ class MTPProposer(OwnCacheHead):
 
 
 
-def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
+def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
     """The MTP layers' weights (their tensors' headers in the target's checkpoint) and
     cache (one layer each, the target's attention shape), and the temporaries of a
     round: the layers over a step's committed rows (eagerly, through the reference
@@ -271,13 +271,10 @@ def _memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memo
     )
 
 
-@register("mtp", memory=_memory)
-def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> MTPProposer:
+def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MTPProposer:
     target = ctx.target
     if spec.model:
         raise ConfigError("method.model", "mtp uses the MTP layers inside the target's checkpoint; leave it unset")
-    if spec.parallel_drafting:
-        raise ConfigError("method.parallel_drafting", "is not supported by mtp (its layers draft one token each)")
     layout, n, sd = find_mtp_layers(target.hf_dir, target.hf_config, target.arch.num_layers)
     layers = build_mtp_layers(layout, n, sd, target.arch, target.arch.num_layers)
     e = ctx.engine

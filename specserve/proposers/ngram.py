@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specserve.config import SpeculativeConfig
-from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.methods.ngram import NgramOptions
+from specserve.proposers.base import DraftRequest, Proposal, ProposerContext
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -32,7 +32,7 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int
 class NgramProposer:
     aux_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, spec: SpeculativeConfig):
+    def __init__(self, spec: NgramOptions):
         self.n_min = spec.prompt_lookup_min or 5
         self.n_max = spec.prompt_lookup_max or self.n_min
         self.k = spec.num_speculative_tokens
@@ -51,6 +51,5 @@ class NgramProposer:
         pass
 
 
-@register("ngram")
-def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> NgramProposer:
+def build(spec: NgramOptions, ctx: ProposerContext) -> NgramProposer:
     return NgramProposer(spec)

@@ -57,8 +57,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from specserve.config import SpeculativeConfig
-from specserve.proposers.base import DraftRequest, Proposal, ProposerContext, register
+from specserve.methods.suffix import SuffixOptions
+from specserve.proposers.base import DraftRequest, Proposal, ProposerContext
 
 
 class _Node:
@@ -431,7 +431,7 @@ class SuffixProposer:
 
     aux_layer_ids: tuple[int, ...] = ()  # reads no target states
 
-    def __init__(self, spec: SpeculativeConfig):
+    def __init__(self, spec: SuffixOptions):
         self.k = spec.num_speculative_tokens
         self.factor = spec.suffix_decoding_max_spec_factor
         self.min_prob = spec.suffix_decoding_min_token_prob
@@ -469,6 +469,5 @@ def _tenant(seq: Any) -> str | None:
     return getattr(seq, "cache_salt", None)
 
 
-@register("suffix")
-def _build(spec: SpeculativeConfig, ctx: ProposerContext) -> SuffixProposer:
+def build(spec: SuffixOptions, ctx: ProposerContext) -> SuffixProposer:
     return SuffixProposer(spec)

@@ -1,6 +1,6 @@
 """Sampling: logits processing, inverse-CDF sampling and draft verification."""
 
-from specserve.sampling.processors import SamplingTensors, draw_uniforms, logits_to_probs, sample_from_probs
+from specserve.sampling.filters import SamplingTensors, draw_uniforms, logits_to_probs, sample_from_probs
 from specserve.sampling.rejection import (
     REJECTION_METHODS,
     RejectionOutput,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specserve.sampling.processors import draw_uniforms, sample_from_probs
+from specserve.sampling.filters import draw_uniforms, sample_from_probs
 
 __all__ = [
     "REJECTION_METHODS",

@@ -16,7 +16,7 @@ device, shape-static and free of host synchronisation:
 2. greedy rows (temperature < GREEDY_EPS) take the argmax of the raw logits;
    sampled rows get temperature, top-k (ties with the k-th value kept), top-p
    and min-p (:func:`process_logits`, a row-wise wrapper of
-   :func:`specserve.sampling.processors.logits_to_probs`);
+   :func:`specserve.sampling.filters.logits_to_probs`);
 3. uniforms, keyed by output position (:func:`keyed_uniforms`): the inverse-CDF
    draws ``u(seed, position + j, SAMPLE)`` for j = 0..K and the accept tests
    ``u(seed, position + j, ACCEPT)`` for j < K (:class:`RejectionUniforms`);
@@ -93,11 +93,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+import specserve.sampling.rejection as _rejection
 from specserve.executor.staging import StagingBuffer, Transfer
 from specserve.request import GREEDY_EPS
-from specserve.sampling import rejection as _rejection
 from specserve.sampling.philox import ACCEPT, SAMPLE, keyed_uniforms, seed_to_int64
-from specserve.sampling.processors import SamplingTensors, logits_to_probs
+from specserve.sampling.filters import SamplingTensors, logits_to_probs
 from specserve.sampling.rejection import REJECTION_METHODS, RejectionUniforms
 
 __all__ = [

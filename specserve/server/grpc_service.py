@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from specserve.engine.tokenizer import covering_token_count
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.request import FinishReason, RequestOutput, StructuredOutputsParams
-from specserve.sampling.logits_processors import LOGPROB_FLOOR
+from specserve.sampling.logits_controls import LOGPROB_FLOOR
 from specserve.server.auth import OPEN_GRPC_SERVICES, ApiKeyChecker
 from specserve.server.errors import (
     INTERNAL,

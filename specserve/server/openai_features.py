@@ -20,7 +20,7 @@ returns: when a stop string cuts the text, the tokens generated past it (they
 arrive in the same step) are not counted, nor shown in ``logprobs``.
 
 Log-probabilities are the target's, after the request's penalties/bias/grammar,
-before temperature and top-k/top-p (``specserve.sampling.logits_processors``);
+before temperature and top-k/top-p (``specserve.sampling.logits_controls``);
 -inf (a token a grammar forbids) is sent as -9999.0.
 """
 
@@ -49,7 +49,7 @@ from specserve.request import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from specserve.sampling.logits_processors import LOGPROB_FLOOR
+from specserve.sampling.logits_controls import LOGPROB_FLOOR
 from specserve.server.errors import INTERNAL, classify, openai_error_body
 
 log = logging.getLogger("specserve.server.http")

@@ -36,14 +36,14 @@ config and exits.
 
 def help_text() -> str:
     """What ``specserve-train --help`` prints: its usage and keys."""
-    from specserve.cli import keys_help
+    from specserve.compose import keys_help
     from specserve.train.config import TrainConfig
 
     return USAGE.replace("{keys}", "\n".join(keys_help("", TrainConfig, skip=("model", "engine"))))
 
 
 def compose_train_config(argv: list[str]):
-    from specserve.cli import UsageError, _parse_argv, compose_object
+    from specserve.compose import UsageError, _parse_argv, compose_object
     from specserve.train.config import TrainConfig, register_train_configs, validate_train_config
 
     extra_dir, name, show, help_, overrides = _parse_argv(argv)
@@ -61,7 +61,7 @@ def compose_train_config(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specserve.cli import UsageError, _cap_onednn_isa
+    from specserve.compose import UsageError, _cap_onednn_isa
 
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),

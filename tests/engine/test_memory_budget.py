@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import AutoConfig
 
-from specserve.config import Config, EngineConfig, ModelConfig, SpeculativeConfig
+from specserve.config import Config, EngineConfig, ModelConfig
 from specserve.engine import memory as M
 from specserve.engine.engine import LLMEngine, memory_budget
 from specserve.errors import ConfigError
@@ -32,7 +32,8 @@ from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel
 from specserve.executor.models.eagle import EagleHead, HeadConfig
 from specserve.executor.models.llama import ArchConfig, LlamaModel, Rotary
-from specserve.proposers.base import KV_LAYERS, ProposerContext, TargetShape, build_proposer, memory_needs
+from specserve.methods import get_method, method_options
+from specserve.proposers.base import ProposerContext, TargetShape, build_proposer, memory_needs
 
 GB = 10**9
 DEVICE = M.DeviceFigures(total_bytes=80 * GB)
@@ -169,8 +170,7 @@ def config(name: str, dirs, method: str, B: int, K: int, **spec) -> Config:
     model = {"draft_model": dirs["draft-1b"], "eagle3": dirs["eagle3"], "mlp_speculator": dirs[f"{name}-mlp"],
              "dflash": dirs[f"{name}-dflash"]}.get(method)
     if method != "none":
-        cfg.method = SpeculativeConfig(method=method, num_speculative_tokens=K, model=str(model) if model else None,
-                                       **spec)
+        cfg.method = method_options(method, num_speculative_tokens=K, model=str(model) if model else None, **spec)
     else:
         e.num_prediction_tokens = K  # Predicted Outputs: K drafts without a method
     return cfg
@@ -179,7 +179,7 @@ def config(name: str, dirs, method: str, B: int, K: int, **spec) -> Config:
 def budget(cfg: Config, target: LoadedModel, device=DEVICE) -> M.MemoryBudget:
     spec, e = cfg.method, cfg.engine
     k = spec.num_speculative_tokens if spec is not None else e.num_prediction_tokens
-    extra = KV_LAYERS.get(spec.method, 0) if spec is not None else 0
+    extra = get_method(spec.method).kv_layers if spec is not None else 0
     return memory_budget(cfg, target, k, graphs=True, static=True, extra_layers=extra, device=device)
 
 
@@ -290,7 +290,7 @@ def build_on_meta(method: str, cfg: Config, target: LoadedModel, dirs, name: str
 
     spec, e, a = cfg.method, cfg.engine, target.arch
     k, bs = spec.num_speculative_tokens, e.block_size
-    engine_kv = KVCache(a.num_layers + KV_LAYERS.get(method, 0), num_blocks, bs, a.num_kv_heads, a.head_dim,
+    engine_kv = KVCache(a.num_layers + get_method(method).kv_layers, num_blocks, bs, a.num_kv_heads, a.head_dim,
                         target.dtype, target.device)
     ctx = ProposerContext(target=target, draft_model=None, engine=e, num_kv_blocks=num_blocks, kv=engine_kv)
     if method in ("ngram", "suffix", "layer_skip"):
@@ -346,7 +346,7 @@ def test_declared_bytes_are_what_the_proposer_allocates(dirs, targets, method, m
     spy = KVSpy(monkeypatch)
     proposer, modules = build_on_meta(method, cfg, target, dirs, name, blocks)
     engine_cache = spy.made.pop(0)
-    assert engine_cache[0] == target.arch.num_layers + KV_LAYERS.get(method, 0)
+    assert engine_cache[0] == target.arch.num_layers + get_method(method).kv_layers
     assert spy.bytes == needs.kv_bytes_per_block * (blocks + 1), spy.made
     assert needs.weight_bytes == sum(M.module_bytes(m) for m in modules)
     if method == "layer_skip":  # calibrating: the compact cache exists before any request
@@ -502,7 +502,7 @@ def test_the_cuda_profile_runs_on_a_device_double(tiny_llama, monkeypatch):
     meter: the step with logits at every row and the verification of max_num_seqs x
     (K+1) sampled rows are what it measures."""
     from specserve.executor.loader import load_model
-    from specserve.executor.static_runner import profile_cuda_memory
+    from specserve.executor.device_profile import profile_cuda_memory
 
     model = load_model(str(tiny_llama), "float32", torch.device("cpu"), max_model_len=64)
     meter = LiveBytes()

@@ -256,7 +256,8 @@ def test_embedded_smollm2_greedy_equals_plain_decoding(caplog):
     """The real embedded model in float32: calibrated layer skipping is lossless."""
     import torch
 
-    from specserve.config import Config, ModelConfig, SpeculativeConfig
+    from specserve.config import Config, ModelConfig
+    from specserve.methods import method_options
     from specserve.request import SamplingParams
 
     target = load_model("embedded:smollm2-135m-instruct", "float32", torch.device("cpu"))
@@ -266,8 +267,7 @@ def test_embedded_smollm2_greedy_equals_plain_decoding(caplog):
         cfg.engine.num_kv_blocks = 64
         cfg.engine.num_prediction_tokens = 0
         if method:
-            cfg.method = SpeculativeConfig(method=method, num_speculative_tokens=3, skip_ratio=0.5,
-                                           skip_calibration_tokens=48)
+            cfg.method = method_options(method, num_speculative_tokens=3, skip_ratio=0.5, skip_calibration_tokens=48)
         return LLMEngine(validate_config(cfg), target=target)
 
     plain = engine(None)

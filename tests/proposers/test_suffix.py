@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.sequence import Sequence, Status
+from specserve.methods import method_options
+from specserve.methods.suffix import SuffixOptions
 from specserve.proposers.base import DraftRequest
 from specserve.proposers.suffix import (
     SuffixCache, SuffixIndex, SuffixProposer, _granule, _int_bytes, _Node, _subtree_bytes,
@@ -440,8 +442,8 @@ def test_incremental_updates_cost_bounded_work(monkeypatch):
 # ------------------------------------------------------------------ the proposer glue
 
 
-def _spec(**kw) -> SpeculativeConfig:
-    return SpeculativeConfig(method="suffix", num_speculative_tokens=kw.pop("k", 4), **kw)
+def _spec(**kw) -> SuffixOptions:
+    return method_options("suffix", num_speculative_tokens=kw.pop("k", 4), **kw)
 
 
 def _seq(rid: str, prompt: list[int], out: list[int], salt: str | None = None) -> Sequence:

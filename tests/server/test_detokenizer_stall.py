@@ -18,7 +18,8 @@ import pytest
 from engine_utils import greedy, tiny_config
 from server_testutil import http_call, server_config
 
-from specserve.config import Config, ModelConfig, SpeculativeConfig, validate_config
+from specserve.config import Config, ModelConfig, validate_config
+from specserve.methods import method_options
 from specserve.engine.async_engine import AsyncEngine
 from specserve.engine.engine import LLMEngine
 from specserve.engine.tokenizer import Tokenizer
@@ -49,7 +50,7 @@ class CountingTokenizer(Tokenizer):
 @pytest.fixture(scope="module")
 def served():
     cfg = Config(model=ModelConfig(dtype="float32"))
-    cfg.method = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+    cfg.method = method_options("ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
     cfg.engine.num_kv_blocks = 128
     llm = LLMEngine(validate_config(cfg))
     engine = AsyncEngine(llm, max_queue=8)

@@ -11,7 +11,8 @@ import openai
 import pytest
 from server_testutil import server_config
 
-from specserve.config import Config, ModelConfig, SpeculativeConfig, validate_config
+from specserve.config import Config, ModelConfig, validate_config
+from specserve.methods import method_options
 from specserve.engine.async_engine import AsyncEngine
 from specserve.engine.engine import LLMEngine
 from specserve.server import start_servers
@@ -27,7 +28,7 @@ MAX_TOKENS = 47  # odd: the last token is half an emoji (each is two tokens here
 @pytest.fixture(scope="module")
 def served():
     cfg = Config(model=ModelConfig(dtype="float32"))
-    cfg.method = SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=2, prompt_lookup_max=5)
+    cfg.method = method_options("ngram", num_speculative_tokens=5, prompt_lookup_min=2, prompt_lookup_max=5)
     cfg.engine.num_kv_blocks = 64
     llm = LLMEngine(validate_config(cfg))
     engine = AsyncEngine(llm, max_queue=8)

@@ -1,4 +1,4 @@
-"""Per-request logits processors at every verified position, and log-probabilities.
+"""Per-request logits controls at every verified position, and log-probabilities.
 
 What is applied
 ---------------
@@ -27,10 +27,10 @@ How it runs
 :class:`LogitsPlan` is built on the host per step from Python lists; ``apply``
 moves it to the device in three copies (one int64 buffer of indices, one float32
 buffer of values, the grammar bitmask) and processes the (R, V) rows of the
-requests that have processors with index operations (no per-token loop on the
+requests that have controls with index operations (no per-token loop on the
 device and no device-to-host read): penalty counts are a scatter of the committed
 output tokens per request, expanded to its rows, plus a scatter of the draft
-prefixes per row.  Rows of requests without processors are copied unchanged.
+prefixes per row.  Rows of requests without controls are copied unchanged.
 
 Log-probabilities (:func:`logprob_columns`)
 -------------------------------------------
@@ -60,7 +60,7 @@ LOGPROB_FLOOR = -9999.0  # what -inf becomes on the wire (JSON has no infinities
 
 @dataclass
 class RequestControls:
-    """One request's processors for one step, on the host."""
+    """One request's controls for one step, on the host."""
 
     row_start: int  # first row of the request in the logits tensor
     num_rows: int  # verified positions: drafts + 1
@@ -83,7 +83,7 @@ class RequestControls:
 
 @dataclass
 class LogitsPlan:
-    """The processors of one step, built on the host and applied on the device."""
+    """The controls of one step, built on the host and applied on the device."""
 
     vocab_size: int
     requests: list[RequestControls] = field(default_factory=list)

@@ -1,9 +1,9 @@
-"""Engine glue for the per-request logits controls, grammars and log-probabilities (issue #13).
+"""Plans each step's per-request logits controls, grammar masks and log-probabilities.
 
 The step loop calls three things here:
 
-* :func:`plan_step` before sampling: per verified request, the processors of its
-  rows (``specserve.sampling.logits_processors``) and its grammar masks; drafts a
+* :func:`plan_step` before sampling: per verified request, the logits controls of its
+  rows (``specserve.sampling.logits_controls``) and its grammar masks; drafts a
   grammar refuses are cut at the first refused one (they could not be accepted).  A
   position where the grammar allows nothing gets an EOS-only row (finite logits) and
   is remembered: the request fails when it commits that position
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from specserve.request import SamplingParams, TokenLogprob
-from specserve.sampling.logits_processors import LogitsPlan, RequestControls, unpack_logprobs
+from specserve.sampling.logits_controls import LogitsPlan, RequestControls, unpack_logprobs
 
 __all__ = ["plan_step", "logprob_lists", "prompt_logprob_lists"]
 

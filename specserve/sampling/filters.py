@@ -1,4 +1,4 @@
-"""Logits processing (temperature, top-k, top-p, min-p) and inverse-CDF sampling.
+"""The sampling filters (temperature, top-k, top-p, min-p) and inverse-CDF sampling.
 
 Everything here is vectorised over the rows of a batch: one row per request, or
 one row per (request, position) when verifying speculative drafts.  Per-row

@@ -1,4 +1,4 @@
-"""Logits processing and inverse-CDF sampling (specserve.sampling.processors)."""
+"""The sampling filters (temperature, top-k, top-p, min-p) and inverse-CDF sampling (specserve.sampling.filters)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Logits processors at every verified position (penalties, logit_bias, min_tokens, grammar
+"""Logits controls at every verified position (penalties, logit_bias, min_tokens, grammar
 masks) and log-probabilities: the vectorised plan against a per-row reference, and the
 engine with speculation against the engine without it (tiny models, float32)."""
 
@@ -20,7 +20,7 @@ from tiny_byte_model import make_byte_model  # noqa: E402
 
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.request import SamplingParams, StructuredOutputsParams  # noqa: E402
-from specserve.sampling.logits_processors import (  # noqa: E402
+from specserve.sampling.logits_controls import (  # noqa: E402
     LogitsPlan,
     RequestControls,
     logprob_columns,
