@@ -82,7 +82,7 @@ def main() -> int:
     turn1 = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
 
     def run_phases(engine: LLMEngine, prompts: dict[str, list[list[int]]] | None, name: str) -> dict:
-        counter = AcceptanceCounter(max(engine.k, 1))
+        counter = AcceptanceCounter(max(engine.num_spec_tokens, 1))
         steps = StepCounter()
         engine.listeners += [counter, steps]
         run_engine(engine, [tok.apply_chat_template([{"role": "user", "content": "Hi"}])], 8, 1)  # warm-up
@@ -112,7 +112,7 @@ def main() -> int:
                         for i, (q, ans) in enumerate(zip(questions, out["phases"]["turn1"]["outputs"]))]
                 else:
                     built[phase] = turn1
-            counter.__init__(max(engine.k, 1))
+            counter.__init__(max(engine.num_spec_tokens, 1))
             steps.__init__()
             for key in sources:
                 sources[key] = 0

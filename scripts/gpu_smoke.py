@@ -111,23 +111,25 @@ class ReplayGraphs:
 
 
 def twin_runner(runner: Any, max_num_seqs: int, max_tokens: int, query_lens: tuple[int, ...],
-                graphs: bool = False) -> None:
-    """Dry run: drive ``runner`` (the engine's or its drafter's) with the CUDA path's step
-    runner on the CPU, attention by the kernels' torch twin; ``graphs``: captured by
-    ``ReplayGraphs`` where the step runner takes a graph maker."""
+                graphs: bool = False) -> Any:
+    """Dry run: the runner to use in place of ``runner`` (the engine's or its drafter's):
+    the CUDA path's step runner on the CPU over the same model and cache, attention by
+    the kernels' torch twin; ``graphs``: captured by ``ReplayGraphs`` where the step
+    runner takes a graph maker."""
     import inspect
 
+    from specserve.executor.backends.cuda_graphs import CudaGraphRunner
     from specserve.executor.static_runner import StaticStepRunner
 
     kw: dict[str, Any] = {}
     graphs = graphs and "graphs_api" in inspect.signature(StaticStepRunner).parameters
     if graphs:
         kw["graphs_api"] = ReplayGraphs
-    runner.static = StaticStepRunner(runner.loaded, runner.kv, max_num_seqs=max_num_seqs, max_num_tokens=max_tokens,
-                                     graph_query_lens=query_lens, attention_impl="torch", use_graphs=graphs, **kw)
-    runner.fused = None
+    static = StaticStepRunner(runner.loaded, runner.kv, max_num_seqs=max_num_seqs, max_num_tokens=max_tokens,
+                              graph_query_lens=query_lens, attention_impl="torch", use_graphs=graphs, **kw)
     if graphs:
-        runner.static.capture(progress=False)
+        static.capture(progress=False)
+    return CudaGraphRunner(static)
 
 
 def greedy(max_tokens: int) -> Any:
@@ -241,7 +243,7 @@ def check_long_prefill(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
         dev = engine(args, common, "cuda")
     else:  # dry: the same target on the CUDA path's step runner, torch twins
         dev = engine(args, common, "cpu", target=ref.target)
-        twin_runner(dev.runner, dev.cfg.engine.max_num_seqs, args.chunk, (1,))
+        dev.runner = twin_runner(dev.runner, dev.cfg.engine.max_num_seqs, args.chunk, (1,))
     chunks: list[int] = []
 
     class Listener:
@@ -291,8 +293,10 @@ def check_draft_graphs(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
             eng = engine(args, common, "cpu", target=target)
             target = eng.target
             if mode == "auto":
-                twin_runner(eng.runner, B, eng.cfg.engine.max_num_batched_tokens, (1, k + 1), graphs=True)
-                twin_runner(eng.proposer.runner, B, eng.proposer.max_step_tokens, (1,), graphs=True)
+                eng.runner = twin_runner(eng.runner, B, eng.cfg.engine.max_num_batched_tokens, (1, k + 1),
+                                         graphs=True)
+                eng.proposer.runner = twin_runner(eng.proposer.runner, B, eng.proposer.max_step_tokens, (1,),
+                                                  graphs=True)
                 eng.uniform_steps = True
         if mode == "off":
             text, _ = sharegpt_text(64 * args.draft_prompts, eng.tokenizer)
@@ -339,7 +343,7 @@ def check_startup(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     eng = engine(args, overrides, "cuda" if cuda else "cpu")
     if not cuda:
-        twin_runner(eng.runner, B, eng.cfg.engine.max_num_batched_tokens, (1, k + 1))
+        eng.runner = twin_runner(eng.runner, B, eng.cfg.engine.max_num_batched_tokens, (1, k + 1))
         eng.uniform_steps = True
     startup_s = time.perf_counter() - t0
     res: dict[str, Any] = {"max_num_seqs": B, "k": k, "startup_seconds": startup_s,

@@ -265,7 +265,7 @@ def profile_steps(engine: LLMEngine, prompt: list[int], steps: int = 8) -> dict[
     """Time single-request steps after the prefill: wall time per step and, on CUDA, the
     device time and kernel launches per step (torch.profiler), so host overhead = wall -
     device.  With a method the steps verify drafts (when the proposer has any)."""
-    k = engine.k
+    k = engine.num_spec_tokens
     rid = f"profile-{time.monotonic_ns()}"
     engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=(steps + 4) * (k + 1) + 8, ignore_eos=True))
     drafted: list[int] = []
@@ -380,7 +380,7 @@ def run_bench(cfg: Config) -> int:
     engine = LLMEngine(cfg, target=target)
     prompts = select_prompts(engine, b, cache)
     method = cfg.method.method if cfg.method else "none"
-    k = engine.k
+    k = engine.num_spec_tokens
     log.info("bench: %d prompts, max_tokens=%d, concurrency=%d, method=%s K=%d dtype=%s", len(prompts), b.max_tokens,
              b.concurrency, method, k, target.dtype)
     runs: dict[str, RunResult] = {}

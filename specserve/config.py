@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from specserve.errors import ConfigError
-from specserve.methods import (SpeculativeConfig, as_method_options, get_method, method_names, methods, option_keys,
-                               owners_of)
+from specserve.methods import (REJECTION_METHODS, SpeculativeConfig, as_method_options, get_method, method_names,
+                               methods, option_keys, owners_of)
 from specserve.speculators_format import compose_speculation
 
 CPU_KERNELS = ("auto", "fused", "torch")  # engine.cpu_kernel
@@ -28,7 +28,6 @@ CUDA_GRAPH_MODES = ("auto", "off")  # engine.cuda_graphs
 KERNEL_BACKENDS = ("auto", "triton", "torch")  # engine.attention_backend, engine.rejection_backend
 SPECULATION_MODES = ("auto", "adaptive", "fixed")  # engine.speculation
 
-REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 MAX_SPECULATIVE_TOKENS = 128  # vLLM's cap on K

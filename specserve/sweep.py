@@ -189,13 +189,13 @@ class BenchRunner:
         prompts = select_prompts(engine, b, cache)
         method = cfg.method.method if cfg.method else "none"
         log.info("sweep run %s: %d prompts x %d tokens, method=%s K=%d", job.name, len(prompts), b.max_tokens,
-                 method, engine.k)
-        counter = AcceptanceCounter(max(engine.k, 1))
+                 method, engine.num_spec_tokens)
+        counter = AcceptanceCounter(max(engine.num_spec_tokens, 1))
         steps = StepCounter()
         engine.listeners.append(counter)
         if b.warmup:
             run_engine(engine, prompts[: b.warmup], 8, 1)
-        counter.__init__(max(engine.k, 1))
+        counter.__init__(max(engine.num_spec_tokens, 1))
         engine.listeners.append(steps)
         runs: dict[str, RunResult] = {}
         plain = None
@@ -210,7 +210,7 @@ class BenchRunner:
         runs["specserve"].extra["concurrency"] = b.concurrency
         report: dict[str, Any] = {
             "config": {
-                "method": method, "num_speculative_tokens": engine.k, "dtype": str(target.dtype).removeprefix("torch."),
+                "method": method, "num_speculative_tokens": engine.num_spec_tokens, "dtype": str(target.dtype).removeprefix("torch."),
                 "device": str(target.device), "model": cfg.model.name, "num_prompts": len(prompts),
                 "max_tokens": b.max_tokens, "concurrency": b.concurrency, "seed": b.seed,
                 "threads": torch.get_num_threads(),

@@ -50,9 +50,9 @@ def draw_k_every_step(engine, k: int, seed: int) -> list[int]:
     c, rng, picked = engine.spec_control, random.Random(seed), []
 
     def choose(batch_size: int) -> int:
-        c.chosen = rng.randint(0, k)
-        picked.append(c.chosen)
-        return c.chosen
+        c.num_drafts = rng.randint(0, k)
+        picked.append(c.num_drafts)
+        return c.num_drafts
 
     c.choose = choose
     return picked

@@ -105,15 +105,16 @@ def test_a_difference_is_reported_with_the_references_top2_gap(monkeypatch):
     real = gpu_smoke.twin_runner
 
     def favour_token_0(runner, *args, **kwargs):
-        real(runner, *args, **kwargs)
-        run = runner.static.run
+        twin = real(runner, *args, **kwargs)
+        run = twin.static.run
 
         def biased(batch, device_token_ids=None):
             res = run(batch, device_token_ids)
             res.logits[:, 0] += 1e4
             return res
 
-        runner.static.run = biased
+        twin.static.run = biased
+        return twin
 
     monkeypatch.setattr(gpu_smoke, "twin_runner", favour_token_0)
     monkeypatch.delenv("GPU_SMOKE_DRY", raising=False)

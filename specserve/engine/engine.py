@@ -1,10 +1,16 @@
 """The speculative engine's step loop (synchronous core).
 
-Each ``step()``: schedule; propose up to K drafts for every decoding request;
-run ONE target forward over prefill chunks, pending tokens and drafts of all
-requests; turn logits into target distributions with each request's sampling
-params; verify (rejection sampling); commit accepted tokens and roll back the
-rest; emit per-request token deltas and metric events.
+Each ``step()``: schedule; run ONE target forward over prefill chunks, pending
+tokens and drafts of all requests; turn logits into target distributions with
+each request's sampling params and verify the drafts (``_verify``: a
+``Verified`` on each sampled entry of the step); commit accepted tokens and roll
+back the rest; emit per-request token deltas and metric events; then propose up
+to K (``num_spec_tokens``) drafts for every decoding request, verified next step.
+
+A request's state is one ``RequestState`` in ``self.requests``
+(``engine.requests``): created on admission, torn down only by
+``RequestTable.release``, which finishing (``_finish``: stop, length, abort,
+failure) and preemption call.
 
 Detokenisation and stop strings (``specserve.engine.output``) run where the
 caller wants them: after each step here when ``detokenize`` is True (offline
@@ -20,12 +26,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from specserve.config import Config
 from specserve.engine.output import OutputProcessor
+from specserve.engine.requests import Drafts, RequestBlocks, RequestState, RequestTable, Verified
 from specserve.kv_blocks import BlockManager
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.sequence import Sequence, Status
@@ -36,8 +42,8 @@ from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeE
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model, resolve_device
 from specserve.executor.batch import SeqInput, StepBatch
-from specserve.executor.runner import ModelRunner
-from specserve.kernels.backends import choose_attention, choose_rejection
+from specserve.executor.backends.factory import RunnerFactory
+from specserve.kernels.backends import choose_rejection
 from specserve.parallel.plan import draft_tensor_parallel_size
 from specserve.proposers import DraftRequest, Proposer, build_proposer
 from specserve.methods import get_method
@@ -71,24 +77,7 @@ class ModelInfo:
     rejection_backend: str = "torch"
 
 
-@dataclass
-class _Stage:
-    """An exception raised while handling one request, and what the engine was doing."""
-
-    stage: str
-    exc: Exception
-
-
-@dataclass
-class _ReqState:
-    seq: Sequence  # carries the request's Philox key (seq.seed)
-    proc: OutputProcessor | None  # None when the caller detokenizes (AsyncEngine)
-    grammar: Any = None  # specserve.structured.GrammarState with structured_outputs
-    prompt_lps: list | None = None  # prompt_logprobs so far (index i: prompt token i; [0] is None)
-    prompt_lps_sent: bool = False
-
-
-def memory_budget(cfg: Config, target: LoadedModel, k: int, graphs: bool, static: bool, extra_layers: int,
+def memory_budget(cfg: Config, target: LoadedModel, num_spec_tokens: int, graphs: bool, static: bool, extra_layers: int,
                   with_method: bool = True, device: DeviceFigures | None = None) -> MemoryBudget:
     """The device memory budget (``engine.memory``), asked before the KV cache is sized:
     the method declares its part from its config files; on CUDA the device is measured
@@ -107,19 +96,21 @@ def memory_budget(cfg: Config, target: LoadedModel, k: int, graphs: bool, static
             _, total = torch.cuda.mem_get_info(target.device)
             device = DeviceFigures(int(total), int(torch.cuda.memory_allocated(target.device)))
         else:
-            tokens = max(e.max_num_batched_tokens, e.max_num_seqs * (k + 1))  # the largest eager step
-            p = profile_cuda_memory(target, tokens, e.block_size, e.max_num_seqs, k)
+            # the largest eager step
+            tokens = max(e.max_num_batched_tokens, e.max_num_seqs * (num_spec_tokens + 1))
+            p = profile_cuda_memory(target, tokens, e.block_size, e.max_num_seqs, num_spec_tokens)
             device = DeviceFigures(p.total_bytes, p.held_bytes, p.activation_bytes, p.verify_bytes)
-    return plan_memory(cfg, target, k=k, graphs=graphs, static=static, extra_layers=extra_layers, needs=needs,
+    return plan_memory(cfg, target, k=num_spec_tokens, graphs=graphs, static=static, extra_layers=extra_layers, needs=needs,
                        device=device)
 
 
-def draft_sizes(k: int) -> tuple[int, ...]:
-    """Verification sizes an adaptive step may choose (and CUDA graphs are captured
-    for): every k up to 8, then powers of two, and K itself."""
-    if k <= 8:
-        return tuple(range(1, k + 1))
-    return tuple(sorted({*range(1, 9), *(2**i for i in range(4, 8) if 2**i < k), k}))
+def draft_sizes(num_spec_tokens: int) -> tuple[int, ...]:
+    """Numbers of drafts an adaptive step may choose (CUDA graphs are captured for each
+    as a verification size): every one up to 8, then powers of two, and K itself."""
+    K = num_spec_tokens
+    if K <= 8:
+        return tuple(range(1, K + 1))
+    return tuple(sorted({*range(1, 9), *(2**i for i in range(4, 8) if 2**i < K), K}))
 
 
 class LLMEngine:
@@ -141,19 +132,19 @@ class LLMEngine:
         self.tokenizer = Tokenizer(target.tokenizer, target.eos_token_ids)
         self.max_model_len = target.max_model_len
         spec = cfg.method
-        self.method_k = spec.num_speculative_tokens if spec is not None else 0
-        # Predicted Outputs draft up to the method's K, or engine.num_prediction_tokens without a method.
-        self.k = self.method_k if spec is not None else e.num_prediction_tokens
-        npt = min(e.num_prediction_tokens, self.k)
+        # K, the most drafts a request verifies per step: the method's, or without a method
+        # engine.num_prediction_tokens (Predicted Outputs alone).
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else e.num_prediction_tokens
+        npt = min(e.num_prediction_tokens, self.num_spec_tokens)
         self.predictions = PredictedOutputs(npt) if npt > 0 else None
-        sizes = draft_sizes(self.k)
-        cuda = target.device.type == "cuda"
-        single = getattr(target, "tp", None) is None  # TP runs eager torch (no static runner or graphs)
-        graphs = cuda and single and e.cuda_graphs != "off"
+        sizes = draft_sizes(self.num_spec_tokens)
+        # Which backend runs the target (executor.backends.factory), known before the KV cache is sized.
+        runners = RunnerFactory.from_engine(e, cfg.model.cache_dir)
+        plan = runners.plan(target, target=True)
         extra = get_method(spec.method).kv_layers if spec is not None and proposer is None else 0
         # Every device allocation is counted before the KV cache gets what is left (engine.memory).
-        self.memory_budget = memory_budget(cfg, target, self.k, graphs, cuda and single, extra,
-                                           with_method=proposer is None)
+        self.memory_budget = memory_budget(cfg, target, self.num_spec_tokens, plan.graphs, plan.static and plan.cuda,
+                                           extra, with_method=proposer is None)
         log.info("%s", self.memory_budget.line())
         num_blocks = self.memory_budget.num_blocks
         a = target.arch
@@ -165,12 +156,11 @@ class LLMEngine:
         self.proposer: Proposer | None = proposer
         # Triton or its twin for attention: checked on the target's geometry before anything
         # launches it; drafters are handed the outcome as their engine.attention_backend.
-        attention = choose_attention(e.attention_backend, target.device, target.dtype, a.num_heads, a.num_kv_heads,
-                                     a.head_dim, e.block_size, a.sliding_window) if single else None
+        attention = runners.attention(target)
         if spec is not None and proposer is None:
             drafting = dataclasses.replace(e, attention_backend=attention.used) if attention is not None else e
             ctx = ProposerContext(target=target, draft_model=cfg.draft, engine=drafting, num_kv_blocks=num_blocks,
-                                  kv=self.kv, blocks=self.blocks,
+                                  kv=self.kv, kv_blocks=RequestBlocks(self.blocks),
                                   cache_dir=Path(cfg.model.cache_dir) if cfg.model.cache_dir else None)
             self.proposer = build_proposer(spec, ctx)
             if spec.rejection_sample_method == "synthetic":
@@ -179,42 +169,31 @@ class LLMEngine:
                     "lossless (benchmarking only)", spec.synthetic_acceptance_rate,
                 )
         self.aux_layer_ids: tuple[int, ...] = tuple(getattr(self.proposer, "aux_layer_ids", ()) or ())
-        static = None
-        # The GPU data path: persistent buffers, the paged Triton kernel (or its twin), graphs per
-        # bucket; on the CPU only with attention_backend=triton (Triton's interpreter: tests).
-        if single and (cuda or e.attention_backend == "triton"):
-            from specserve.executor.static_runner import StaticStepRunner
-
-            static = StaticStepRunner(
-                target, self.kv, max_num_seqs=e.max_num_seqs, max_num_tokens=e.max_num_batched_tokens,
-                graph_query_lens=(1, *(k + 1 for k in sizes)), aux_layer_ids=self.aux_layer_ids, use_graphs=graphs,
-                attention_impl=attention,
-            )
-        self.runner = ModelRunner(
-            target, self.kv, cpu_kernel=e.cpu_kernel, fused_max_tokens=e.cpu_fused_max_tokens,
-            cache_dir=Path(cfg.model.cache_dir) if cfg.model.cache_dir else None, static=static,
-        )
+        # Graphs capture decode (q = 1) and every verification size an adaptive step may choose.
+        self.runner = runners.target(target, self.kv, graph_query_lens=(1, *(k + 1 for k in sizes)),
+                                     aux_layer_ids=self.aux_layer_ids, attention=attention)
         # Decode/verification steps padded to one draft length, so a captured graph fits.
-        self.uniform_steps = graphs
+        self.uniform_steps = plan.graphs
         # auto: adaptive with a method everywhere, and for Predicted Outputs alone on CUDA
         # (on the CPU those stay fixed: measured there with K every step).
-        adaptive = e.speculation == "adaptive" or (e.speculation == "auto" and (cuda or spec is not None))
-        self.spec_control = SpecController(self.k, adaptive=adaptive and self.k > 0, candidates=sizes)
-        if static is not None:
-            static.capture()  # compiles every Triton binary it can launch first, graphs or not
-            if graphs:
-                self.spec_control.seed_costs(static.time_graphs())
-        self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.k, self.max_model_len,
-                                   e.long_prefill_token_threshold)
+        adaptive = e.speculation == "adaptive" or (e.speculation == "auto" and (plan.cuda or spec is not None))
+        self.spec_control = SpecController(self.num_spec_tokens, adaptive=adaptive and self.num_spec_tokens > 0,
+                                           candidates=sizes, max_num_seqs=e.max_num_seqs)
+        if plan.graphs:
+            self.spec_control.seed_costs(self.runner.static.time_graphs())
+        self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
+                                   self.max_model_len, e.long_prefill_token_threshold,
+                                   pending_drafts=lambda seq: self.requests.num_pending_drafts(seq))
+        # Every request's state, and its one teardown (which frees the method's state too).
+        self.requests = RequestTable(self.scheduler, [self.proposer, self.predictions])
         self.seed_generator = torch.Generator().manual_seed(e.seed)  # seeds of unseeded requests (host)
         verify = spec.rejection_sample_method if spec is not None else "strict"
         rejection = choose_rejection(e.rejection_backend, target.device, verify, target.arch.vocab_size)
         self.sampler = DeviceSampler(
-            e.max_num_seqs, self.k, target.device, verify,
+            e.max_num_seqs, self.num_spec_tokens, target.device, verify,
             spec.synthetic_acceptance_rate if spec is not None else None, vocab_size=target.arch.vocab_size,
             use_kernel=rejection.used == "triton",
         )
-        self.requests: dict[str, _ReqState] = {}
         self.listeners: list[StatsListener] = []
         self.detokenize = True  # AsyncEngine turns this off and detokenizes per stream
         self._grammar_backend = None  # specserve.structured.GrammarBackend, on first use
@@ -222,14 +201,15 @@ class LLMEngine:
         self.info = ModelInfo(
             model_name=cfg.model.name,
             method=spec.method if spec is not None else "none",
-            num_speculative_tokens=self.method_k,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             max_model_len=self.max_model_len,
             dtype=str(target.dtype).removeprefix("torch."),
             device=str(target.device),
             lossless=spec is None or spec.rejection_sample_method != "synthetic",
-            tensor_parallel_size=1 if single else target.tp.size,
-            draft_tensor_parallel_size=1 if single else draft_tensor_parallel_size(spec, target.tp.size),
-            attention_backend=static.impl if static is not None else "cpu_fused" if self.runner.fused else "torch",
+            tensor_parallel_size=self.runner.tensor_parallel_size,
+            draft_tensor_parallel_size=draft_tensor_parallel_size(spec, self.runner.tensor_parallel_size)
+            if plan.tensor_parallel else 1,
+            attention_backend=self.runner.attention_backend,
             rejection_backend=rejection.used,
         )
 
@@ -260,7 +240,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prediction", f"is {len(pred)} tokens, longer than the model's max_model_len ({self.max_model_len})"
             )
-        need = self.blocks.blocks_for(n + params.max_tokens + self.k)
+        need = self.blocks.blocks_for(n + params.max_tokens + self.num_spec_tokens)
         if need > self.blocks.num_blocks:
             raise InvalidRequestError(
                 "max_tokens", f"prompt + max_tokens needs {need} KV blocks; the cache holds {self.blocks.num_blocks}"
@@ -270,20 +250,21 @@ class LLMEngine:
         """Admit a request.  Bad input raises InvalidRequestError; any other failure while
         admitting raises RequestFailedError.  Either way nothing of the request remains."""
         self.validate_request(request_id, prompt_token_ids, params)
+        st: RequestState | None = None
         try:
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                            seed=self._request_seed(params))
             proc = OutputProcessor(self.tokenizer, seq.prompt_token_ids, params) if self.detokenize else None
             grammar = self._grammar_state(params) if params.structured_outputs is not None else None
-            self.requests[request_id] = st = _ReqState(seq, proc, grammar=grammar)
-            if params.prompt_logprobs is not None:
-                st.prompt_lps = [None]
+            prompt_lps = [None] if params.prompt_logprobs is not None else None
+            st = RequestState(seq, proc, grammar=grammar, prompt_lps=prompt_lps)
+            self.requests.add(st)
             self.scheduler.add(seq)
-        except SpecServeError:
-            self.requests.pop(request_id, None)
-            raise
         except Exception as e:
-            self.requests.pop(request_id, None)
+            if st is not None and self.requests.get(request_id) is st:
+                self.requests.release(st, finished=True)
+            if isinstance(e, SpecServeError):
+                raise
             log.exception("admitting request %s failed", request_id)
             raise RequestFailedError(f"admitting the request failed: {type(e).__name__}: {e}") from e
 
@@ -291,7 +272,7 @@ class LLMEngine:
         """The request's Philox key: its own seed, or one drawn from the engine's seed."""
         return seed_to_int64(params.seed) if params.seed is not None else random_seed(self.seed_generator)
 
-    def _fail_request(self, st: _ReqState, stage: str, exc: Exception) -> RequestOutput:
+    def _fail_request(self, st: RequestState, stage: str, exc: Exception) -> RequestOutput:
         """End one request because handling it failed; its neighbours carry on."""
         if isinstance(exc, SpecServeError):
             failure: Exception = exc
@@ -333,43 +314,39 @@ class LLMEngine:
     # ------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        for seq in sched.preempted:
-            if self.proposer is not None:
-                self.proposer.remove(seq.request_id)
-            if self.predictions is not None:
-                self.predictions.remove(seq.request_id)
+        for seq in sched.preempted:  # recomputed later from its tokens: its derived state goes
+            self.requests.release(self.requests[seq.request_id], finished=False)
         if sched.empty:
             return []
-        # Drafts were proposed after the previous verification; the scheduler sized them.
-        drafts = [s.seq.draft_token_ids[: s.draft_room] for s in sched.scheduled]
-        for s in sched.scheduled:
-            s.seq.draft_token_ids = []
-        batch = self._build_batch(sched.scheduled, drafts)
+        for s in sched.scheduled:  # drafts proposed after the previous verification; the scheduler sized them
+            st = self.requests[s.seq.request_id]
+            s.drafts = st.drafts.first(s.draft_room)
+            st.drafts = Drafts()
+        batch = self._build_batch(sched.scheduled)
         prompt_jobs = self._prompt_logprob_rows(sched.scheduled, batch)
         t0 = time.perf_counter()
         fwd = self.runner.execute(batch, self.aux_layer_ids)  # the only failure that may take the engine down
         if prompt_jobs:
             self._prompt_logprobs(prompt_jobs, fwd)
-        sampled = [s for s in sched.scheduled if s.sample]
-        results = self._verify(sampled, drafts, sched.scheduled, fwd)
-        outputs = self._commit(sched.scheduled, drafts, results)
+        self._verify(sched.scheduled, fwd)
+        outputs = self._commit(sched.scheduled)
         t1 = time.perf_counter()
-        self._propose_next(sched.scheduled, batch, fwd, results)
+        self._propose_next(sched.scheduled, batch, fwd)
         self.spec_control.observe_step(len(sched.scheduled), batch.uniform_query_len(), t1 - t0,
                                        time.perf_counter() - t1)
         return outputs
 
-    def _build_batch(self, scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> StepBatch:
+    def _build_batch(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         inputs = []
-        for s, d in zip(scheduled, drafts):
-            seq = s.seq
+        for s in scheduled:
+            seq, d = s.seq, s.drafts.token_ids
             new = seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d
             offsets = list(range(s.num_new_tokens - 1, len(new))) if s.sample else []
             inputs.append(SeqInput(new, seq.num_computed, seq.block_table, offsets, num_drafts=len(d)))
         pad_to = None
         if self.uniform_steps and all(s.sample and s.num_new_tokens == 1 for s in scheduled):
             # A decode/verification step: pad drafts to one length so a captured graph fits.
-            pad_to = 1 + max(len(d) for d in drafts)
+            pad_to = 1 + max(len(s.drafts.token_ids) for s in scheduled)
         return StepBatch.from_inputs(
             inputs, self.kv.block_size, pad_to=pad_to, trash_slot=self.kv.trash_slot,
             max_position=self.max_model_len - 1,
@@ -425,127 +402,118 @@ class LLMEngine:
             compiled = self.grammar_backend.compile(so, self.cfg.server.grammar_max_chars)
         return compiled.new_state(grammar_field(so))
 
-    def _propose_next(self, scheduled: list[ScheduledSeq], batch: StepBatch, fwd, results) -> None:
+    def _propose_next(self, scheduled: list[ScheduledSeq], batch: StepBatch, fwd) -> None:
         """Drafts for the next step, proposed now that this step is verified; a
         proposer conditioned on the target reads this forward's states by row."""
         if self.proposer is None and self.predictions is None:
             return
-        k = self.spec_control.choose(sum(1 for s in scheduled if s.sample and not s.seq.finished))
+        num_drafts = self.spec_control.choose(sum(1 for s in scheduled if s.sample and not s.seq.finished))
         reqs: list[DraftRequest] = []
-        j = 0
         for b, s in enumerate(scheduled):
             seq = s.seq
-            committed = s.num_new_tokens
-            if s.sample:
-                r = results[j]
-                j += 1
-                if isinstance(r, tuple):
-                    committed += r[1]
             if seq.finished:
                 continue
-            room = min(k, self.max_model_len - len(seq.token_ids) - 1) if s.sample else 0
+            committed = s.num_new_tokens + (s.verified.num_accepted if s.verified is not None else 0)
+            room = min(num_drafts, self.max_model_len - len(seq.token_ids) - 1) if s.sample else 0
             start = batch.query_start[b]
             reqs.append(DraftRequest(seq, max(room, 0), range(start, start + committed)))
         if not reqs:
             return
         if self.predictions is not None:
-            prop, from_prediction = self.predictions.propose(reqs, fwd, self.proposer, self.method_k)
+            prop, from_prediction = self.predictions.propose(reqs, fwd, self.proposer, self.num_spec_tokens)
         else:
             prop, from_prediction = self.proposer.propose(reqs, fwd), [0] * len(reqs)
         for i, (r, toks, n_pred) in enumerate(zip(reqs, prop.token_ids, from_prediction)):
             if r.max_drafts > 0:
-                r.seq.draft_token_ids = list(toks[: r.max_drafts])
-                r.seq.num_prediction_drafts = n_pred
-                r.seq.draft_probs = prop.probs[i] if prop.probs is not None else None
+                self.requests[r.seq.request_id].drafts = Drafts(
+                    list(toks[: r.max_drafts]), prop.probs[i] if prop.probs is not None else None, n_pred)
 
-    def _verify(self, sampled, drafts_all, scheduled, fwd) -> list[tuple[list[int], int] | Exception]:
-        """Per sampled seq: (emitted tokens, number of accepted drafts), or the exception
-        that failed that request alone.  A batch that fails is verified request by request
-        to find whose it was."""
-        results: list[tuple[list[int], int] | Exception | None] = [None] * len(sampled)
-        rows: dict[int, tuple[float, int, float, float]] = {}
-        for i, s in enumerate(sampled):
+    def _verify(self, scheduled: list[ScheduledSeq], fwd) -> None:
+        """Verify every sampled entry of the step: each gets its ``Verified`` (the tokens it
+        emits, or the failure of that request alone).  A batch that fails is verified
+        request by request to find whose it was."""
+        todo: list[tuple[ScheduledSeq, int, tuple[float, int, float, float]]] = []
+        for b, s in enumerate(scheduled):
+            if not s.sample:
+                continue
             try:
-                rows[i] = self._sampling_row(s.seq.params)
+                todo.append((s, fwd.row_offsets[b], self._sampling_row(s.seq.params)))
             except Exception as e:
-                results[i] = _Stage("building its sampling tensors", e)
-        ok = [i for i in range(len(sampled)) if results[i] is None]
-        if ok:
-            try:
-                batch = self._verify_batch([sampled[i] for i in ok], [rows[i] for i in ok], drafts_all, scheduled, fwd)
-                for i, r in zip(ok, batch):
-                    results[i] = r
-            except Exception:
-                log.exception("verification of a batch failed; verifying its requests one by one")
-                for i in ok:
-                    try:
-                        results[i] = self._verify_batch([sampled[i]], [rows[i]], drafts_all, scheduled, fwd)[0]
-                    except Exception as e:
-                        results[i] = _Stage("sampling", e)
-        return results  # type: ignore[return-value]
+                s.verified = Verified.failed("building its sampling tensors", e)
+        if not todo:
+            return
+        try:
+            self._verify_batch(todo, fwd)
+        except Exception:
+            log.exception("verification of a batch failed; verifying its requests one by one")
+            for one in todo:
+                try:
+                    self._verify_batch([one], fwd)
+                except Exception as e:
+                    one[0].verified = Verified.failed("sampling", e)
 
     @staticmethod
     def _sampling_row(p: SamplingParams) -> tuple[float, int, float, float]:
         """One request's sampling parameters as the numbers the sampler tensors hold."""
         return float(p.temperature), int(p.top_k), float(p.top_p), float(p.min_p)
 
-    def _verify_batch(self, sampled, sample_rows, drafts_all, scheduled, fwd) -> list[tuple[list[int], int]]:
-        """Sample/verify every sampled request on the device (``DeviceSampler``): one
-        copy of its inputs up, one packed (B, K+2) result back.  Random numbers are
-        keyed by (request seed, output position, purpose), so a seeded request's tokens
-        do not depend on its neighbours, on K or on adaptive speculation."""
-        pos = {id(s): i for i, s in enumerate(scheduled)}
-        drafts = [drafts_all[pos[id(s)]] for s in sampled]
-        rows = [fwd.row_offsets[pos[id(s)]] for s in sampled]
-        states = [self.requests[s.seq.request_id] for s in sampled]
-        temps, top_ks, top_ps, min_ps = zip(*sample_rows)
+    def _verify_batch(self, todo: list[tuple[ScheduledSeq, int, tuple[float, int, float, float]]], fwd) -> None:
+        """Sample/verify the entries ``todo`` (each with its first logits row and sampling
+        row) on the device (``DeviceSampler``): one copy of their inputs up, one packed
+        (B, K+2) result back.  Random numbers are keyed by (request seed, output position,
+        purpose), so a seeded request's tokens do not depend on its neighbours, on K or on
+        adaptive speculation."""
+        entries = [s for s, _, _ in todo]
+        rows = [row for _, row, _ in todo]
+        temps, top_ks, top_ps, min_ps = zip(*(params for _, _, params in todo))
+        seqs = [s.seq for s in entries]
         # Penalties, logit_bias, min_tokens and grammar masks at every verified position
         # (drafts a grammar refuses are cut: they could not be accepted).
-        plan, drafts = plan_step([s.seq for s in sampled], [st.grammar for st in states], drafts, rows,
-                                 self.target.arch.vocab_size, tuple(self.tokenizer.eos_token_ids))  # fmt: skip
+        plan, drafts = plan_step(seqs, [self.requests[s.request_id].grammar for s in seqs],
+                                 [s.drafts.token_ids for s in entries], rows, self.target.arch.vocab_size,
+                                 tuple(self.tokenizer.eos_token_ids))  # fmt: skip
         logits = fwd.logits if plan is None else plan.apply(fwd.logits)
         inputs = self.sampler.prepare(
-            rows, drafts, temps, top_ks, top_ps, min_ps, [s.seq.seed for s in sampled],
-            [s.seq.num_output_tokens for s in sampled],
+            rows, drafts, temps, top_ks, top_ps, min_ps, [s.seed for s in seqs], [s.num_output_tokens for s in seqs],
         )
-        packed = self.sampler.sample(logits, inputs, *self._draft_probs(sampled, drafts))
-        want = [s.seq.params.logprobs for s in sampled]
+        packed = self.sampler.sample(logits, inputs, *self._draft_probs(entries, drafts))
+        want = [s.params.logprobs for s in seqs]
         if all(k is None for k in want):
-            results = self.sampler.fetch(packed, len(sampled))
+            results = [Verified(toks, a) for toks, a in self.sampler.fetch(packed, len(entries))]
         else:  # the log-probabilities ride on the same copy back
             K1 = packed.shape[1] - 1
             top = max(k for k in want if k is not None)
             cols = logprob_columns(logits, inputs.row_index, packed[:, :K1], top)
-            host = self.sampler.copy_to_host(torch.cat([packed, cols], dim=1))[: len(sampled)].numpy()
-            results = unpack(host[:, : K1 + 1].tolist())
-            lps = logprob_lists(host[:, K1 + 1 :], [r[0] for r in results], want, K1, top)
-            results = [r if lp is None else (r[0], r[1], lp) for r, lp in zip(results, lps)]
-        return results
+            host = self.sampler.copy_to_host(torch.cat([packed, cols], dim=1))[: len(entries)].numpy()
+            emitted = unpack(host[:, : K1 + 1].tolist())
+            lps = logprob_lists(host[:, K1 + 1 :], [toks for toks, _ in emitted], want, K1, top)
+            results = [Verified(toks, a, lp) for (toks, a), lp in zip(emitted, lps)]
+        for s, v in zip(entries, results):
+            s.verified = v
 
-    def _draft_probs(self, sampled, drafts) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _draft_probs(self, entries: list[ScheduledSeq], drafts: list[list[int]]
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """For probabilistic verification: (B, K, V) q of each request's drafts where the
         proposer sampled them from a distribution, and (B,) which rows have one (the
         others, argmax or copied drafts, are verified strictly); (None, None) when no
         request has any."""
-        qs = [s.seq.draft_probs for s in sampled]
-        for s in sampled:
-            s.seq.draft_probs = None
+        qs = [s.drafts.probs for s in entries]
         has_q = [q is not None and bool(d) for q, d in zip(qs, drafts)]
         if self.sampler.method != "probabilistic" or not any(has_q):
             return None, None
-        out = torch.zeros(len(sampled), self.sampler.K, self.target.arch.vocab_size, device=self.target.device)
+        out = torch.zeros(len(entries), self.sampler.num_spec_tokens, self.target.arch.vocab_size,
+                          device=self.target.device)
         for b, (q, d) in enumerate(zip(qs, drafts)):
             if has_q[b]:
                 out[b, : len(d)] = q[: len(d)]
         return out, torch.tensor(has_q, device=self.target.device)
 
-    def _commit(self, scheduled, drafts, results) -> list[RequestOutput]:
+    def _commit(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         req_stats: list[RequestStepStats] = []
         n_prompt = n_gen = 0
-        j = 0
-        for s, d in zip(scheduled, drafts):
+        for s in scheduled:
             seq = s.seq
             st = self.requests[seq.request_id]
             before = len(seq.token_ids)
@@ -553,19 +521,17 @@ class LLMEngine:
             if not s.sample:
                 self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens)
                 continue
-            result = results[j]
-            j += 1
-            if isinstance(result, _Stage):
-                outputs.append(self._fail_request(st, result.stage, result.exc))
+            v = s.verified
+            if v.failure is not None:
+                outputs.append(self._fail_request(st, v.stage, v.failure))
                 continue
-            toks, a = result[0], result[1]
-            new_lps = result[2] if len(result) > 2 else None
+            d, a = s.drafts.token_ids, v.num_accepted
             if d:
                 seq.spec.num_drafts += 1
                 seq.spec.num_draft_tokens += len(d)
                 seq.spec.num_accepted_tokens += a
                 self.spec_control.observe_drafts(len(d), a)
-            n_pred = min(seq.num_prediction_drafts, len(d))  # leading drafts from the request's prediction
+            n_pred = s.drafts.num_from_prediction  # leading drafts from the request's prediction
             stage = "updating its draft state"
             try:
                 if self.proposer is not None:  # drafts from a prediction are none of the method's
@@ -573,7 +539,7 @@ class LLMEngine:
                 # K/V is valid for the fed tokens up to the pending one plus accepted drafts.
                 self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens + a)
                 stage = "matching its stop tokens"
-                new_ids, reason = self._append_tokens(seq, toks)
+                new_ids, reason = self._append_tokens(seq, v.tokens)
                 if st.grammar is not None:  # a grammar that cannot take these tokens fails the request
                     stage = "advancing its grammar"
                     st.grammar.advance(new_ids)
@@ -584,8 +550,8 @@ class LLMEngine:
                 if reason is not None:
                     self._finish(st, reason)
                 out = self._output(st, new_ids)
-                if new_lps is not None:
-                    out.new_logprobs = new_lps[: len(new_ids)]
+                if v.logprobs is not None:
+                    out.new_logprobs = v.logprobs[: len(new_ids)]
                 if st.proc is not None:
                     stage = "detokenizing its output"
                     out, stop = st.proc.process(out)
@@ -614,7 +580,7 @@ class LLMEngine:
         self._emit_step(StepStats(
             num_running=self.num_running, num_waiting=self.num_waiting, kv_cache_usage=self.blocks.usage,
             num_prompt_tokens=n_prompt, num_generation_tokens=n_gen, requests=req_stats,
-            num_speculative_tokens=self.spec_control.chosen if self.k else 0,
+            num_speculative_tokens=self.spec_control.num_drafts if self.num_spec_tokens else 0,
             **self._prefix_cache_deltas(), **self._suffix_cache_usage(),
         ))
         return outputs
@@ -634,18 +600,14 @@ class LLMEngine:
                 return new, FinishReason.LENGTH
         return new, None
 
-    def _finish(self, st: _ReqState, reason: FinishReason) -> None:
+    def _finish(self, st: RequestState, reason: FinishReason) -> None:
+        """End a request (stop, length, abort or its own failure): the one teardown, then its stats."""
         seq = st.seq
         if seq.finished:
             return
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        self.scheduler.remove(seq)
-        if self.proposer is not None:
-            self.proposer.remove(seq.request_id)
-        if self.predictions is not None:
-            self.predictions.remove(seq.request_id)
-        self.requests.pop(seq.request_id, None)
+        self.requests.release(st, finished=True)
         fin = RequestFinishedStats(
             request_id=seq.request_id, finish_reason=reason.value, num_prompt_tokens=seq.num_prompt_tokens,
             num_generation_tokens=seq.num_output_tokens, e2e_latency_s=time.monotonic() - seq.arrival_time,
@@ -655,7 +617,7 @@ class LLMEngine:
         for listener in self.listeners:
             listener.on_request_finished(fin)
 
-    def _output(self, st: _ReqState, new_ids: list[int]) -> RequestOutput:
+    def _output(self, st: RequestState, new_ids: list[int]) -> RequestOutput:
         """A token delta; text and the output so far are filled by an OutputProcessor."""
         seq = st.seq
         out = RequestOutput(

@@ -2,9 +2,9 @@
 
 Each step it decides which sequences run and how many of their uncomputed
 tokens: running sequences first (a decode step needs its pending token plus
-room for up to K drafts), then waiting ones in arrival order while the token
-budget, the sequence cap and the KV blocks allow.  Long prompts are prefilled
-in chunks.  When blocks run out for a running sequence, the most recently
+room for its drafts waiting for verification, up to K: ``pending_drafts``),
+then waiting ones in arrival order while the token budget, the sequence cap
+and the KV blocks allow.  Long prompts are prefilled in chunks.  When blocks run out for a running sequence, the most recently
 admitted one is preempted: its blocks are freed and it is recomputed later
 from its tokens (nothing is lost).
 
@@ -18,28 +18,42 @@ step instead of queueing behind the whole prompt.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specserve.kv_blocks import BlockManager, chain_hashes
+from specserve.engine.requests import Drafts, Verified
 from specserve.engine.sequence import Sequence, Status
+from specserve.kv_blocks import BlockManager, chain_hashes
 
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's part of a step: the scheduler's decision, then what the step made of it."""
+
     seq: Sequence
     num_new_tokens: int  # uncomputed tokens to run this step
     sample: bool  # this chunk reaches the end of the sequence: sample the next token
     draft_room: int  # pending drafts that run this step (0 for prefill chunks)
+    # Filled by the engine's step: the drafts run (the first draft_room pending ones), and
+    # for a sampled sequence its verification (None until verified, and for prefill chunks).
+    drafts: Drafts = field(default_factory=Drafts)
+    verified: Verified | None = None
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # Preempted this step (blocks freed, queued to be recomputed): the engine releases the
+    # rest of their state (``RequestTable.release``).
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not self.scheduled
+
+
+def _no_drafts(seq: Sequence) -> int:
+    return 0
 
 
 def default_long_prefill_token_threshold(max_num_batched_tokens: int) -> int:
@@ -53,14 +67,17 @@ class Scheduler:
         blocks: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        num_lookahead: int,
+        num_spec_tokens: int,
         max_model_len: int,
         long_prefill_token_threshold: int | None = None,
+        pending_drafts: Callable[[Sequence], int] | None = None,
     ):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.num_lookahead = num_lookahead  # K: draft slots reserved per decode step
+        self.num_spec_tokens = num_spec_tokens  # K: the most draft slots reserved per decode step
+        # How many drafts wait for a sequence's next step (the engine's RequestTable); none if unset.
+        self.pending_drafts: Callable[[Sequence], int] = _no_drafts if pending_drafts is None else pending_drafts
         self.max_model_len = max_model_len
         # The cap on one sequence's prefill chunk while others wait (0: none); null = a
         # quarter of the step budget, so a few arrivals fit next to a long prompt.
@@ -100,7 +117,7 @@ class Scheduler:
         max_tokens does not shorten the draft: like vLLM, every round proposes
         K and tokens past max_tokens are dropped at commit, so acceptance
         figures are not biased down by the last round of each request."""
-        room = min(len(seq.draft_token_ids), self.num_lookahead, self.max_model_len - len(seq.token_ids) - 1)
+        room = min(self.pending_drafts(seq), self.num_spec_tokens, self.max_model_len - len(seq.token_ids) - 1)
         return max(room, 0)
 
     # ------------------------------------------------------------------ prefix cache
@@ -169,7 +186,6 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
         seq.num_cached_tokens = 0
-        seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

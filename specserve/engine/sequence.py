@@ -1,11 +1,13 @@
-"""Engine-side request state (pure Python)."""
+"""A request's sequence: its tokens, KV block table and status, as the scheduler sees them (pure Python).
+
+The rest of a request's state (output processing, grammar, drafts waiting for
+verification) is its ``engine.requests.RequestState``, which owns the sequence."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from specserve.request import FinishReason, SamplingParams, SpecDecodeStats
 
@@ -18,7 +20,7 @@ class Status(enum.Enum):
 
 @dataclass
 class Sequence:
-    """One request inside the engine.
+    """One request's sequence (``RequestState.seq``); proposers read it as a ``RequestView``.
 
     ``token_ids`` is prompt + output.  ``num_computed`` tokens have their K/V in
     the cache; the rest (normally just the last sampled token) is fed next step.
@@ -40,13 +42,6 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
-    # Drafts proposed after the last verification, to be verified by the next step.
-    draft_token_ids: list[int] = field(default_factory=list)
-    # (n, V) float32: the distributions the drafts were sampled from (probabilistic
-    # verification), or None when they are deterministic (one-hot q).
-    draft_probs: Any = None
-    # How many leading drafts of draft_token_ids came from the request's Predicted Output.
-    num_prediction_drafts: int = 0
 
     # Prefix caching: the hash chain of full blocks of token_ids (kv_blocks.chain_hashes),
     # how many of the block table's blocks are registered in the cache, and how many

@@ -1,20 +1,22 @@
 """How many drafts to verify per step (pure Python): speculation that never loses.
 
-``fixed``: always K (``method.num_speculative_tokens``).  ``adaptive``: each
-step picks k in {0} + candidates (the verification sizes the runner has
-captured, so graphs stay full) that maximises the expected tokens per second
-of the next step:
+``fixed``: always K (``num_spec_tokens``: ``method.num_speculative_tokens``).
+``adaptive``: each step picks its number of drafts k in {0} + candidates (the
+verification sizes the runner has captured, so graphs stay full) that maximises
+the expected tokens per second of the next step:
 
     tokens(k) = B * E(k),  E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
     time(k)   = step(B, k+1) + propose(k)
 
 where a_j is the measured probability that draft j is accepted given drafts
 1..j-1 were (counts per position, decayed), step(B, q) the measured wall time
-of a step with batch bucket B and q tokens per sequence (seeded from timed
-graph replays when the runner has them, else learned online; an unmeasured q
-is assumed to cost what q=1 costs, so it gets tried), and propose(k) the
-measured time of proposing k drafts.  k = 0 turns speculation off; while off,
-one step runs K after ``probe_every`` steps so acceptance and costs stay current.
+of a step with batch bucket B (``executor.batch.batch_bucket``: the buckets
+CUDA graphs are captured for, up to ``max_num_seqs``) and q tokens per
+sequence (seeded from timed graph replays when the runner has them, else
+learned online; an unmeasured q is assumed to cost what q=1 costs, so it gets
+tried), and propose(k) the measured time of proposing k drafts.  k = 0 turns
+speculation off; while off, one step runs K after ``probe_every`` steps so
+acceptance and costs stay current.
 Each probe that leaves speculation off doubles that interval (up to ``probe_max``
 steps): a drafter that keeps losing, e.g. one whose drafts cost several target
 steps, stops paying a probe every few dozen steps.  Speculating again resets it.
@@ -32,17 +34,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specserve.executor.batch import batch_bucket
+
 log = logging.getLogger(__name__)
 
 DECAY = 0.98  # per observed step: acceptance and cost estimates follow drift over ~50 steps
 LOG_INTERVAL_S = 5.0  # at most one INFO line per this many seconds about the choice of K
-
-
-def bucket_of(n: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return b
 
 
 @dataclass
@@ -56,9 +53,11 @@ class _Ema:
 
 @dataclass
 class SpecController:
-    k_max: int
+    num_spec_tokens: int  # K: the most drafts a step verifies per request
     adaptive: bool = False
     candidates: tuple[int, ...] = ()
+    # The engine's max_num_seqs: batches are bucketed as CUDA graphs are (None: powers of two).
+    max_num_seqs: int | None = None
     probe_every: int = 32
     probe_max: int = 1024
     # Verified drafts (first position, decayed) before acceptance is trusted: until then
@@ -68,7 +67,7 @@ class SpecController:
     propose_cost: dict[int, _Ema] = field(default_factory=dict)
     reached: list[float] = field(default_factory=list)  # drafts that reached position i
     accepted: list[float] = field(default_factory=list)  # ... and were accepted there
-    chosen: int = 0
+    num_drafts: int = 0  # the last choice: drafts per request in the step being proposed
     _steps_off: int = 0
     _interval: int = 0  # steps off before the next probe (probe_every, doubling)
     _probed: bool = False  # the previous choice was a probe
@@ -82,12 +81,13 @@ class SpecController:
     _changes: int = 0  # changes of the choice since that line
 
     def __post_init__(self) -> None:
-        self.candidates = tuple(sorted({k for k in (self.candidates or range(1, self.k_max + 1)) if 1 <= k <= self.k_max}))
-        self.reached = [0.0] * self.k_max
-        self.accepted = [0.0] * self.k_max
-        self.chosen = self.k_max
+        K = self.num_spec_tokens
+        self.candidates = tuple(sorted({k for k in (self.candidates or range(1, K + 1)) if 1 <= k <= K}))
+        self.reached = [0.0] * K
+        self.accepted = [0.0] * K
+        self.num_drafts = K
         self._interval = self.probe_every
-        self._logged_k = self.k_max
+        self._logged_k = K
 
     # ------------------------------------------------------------------ observations
     def seed_costs(self, table: dict[tuple[int, int], float]) -> None:
@@ -99,8 +99,12 @@ class SpecController:
         if batch_size == 0:
             return
         if q is not None:  # only fixed-shape steps say what a (bucket, q) costs
-            self.step_cost.setdefault((bucket_of(batch_size), q), _Ema()).add(step_s)
-        self.propose_cost.setdefault(self.chosen, _Ema()).add(propose_s)
+            self.step_cost.setdefault((self.bucket(batch_size), q), _Ema()).add(step_s)
+        self.propose_cost.setdefault(self.num_drafts, _Ema()).add(propose_s)
+
+    def bucket(self, batch_size: int) -> int:
+        """The batch bucket whose costs a batch of ``batch_size`` requests reads and updates."""
+        return batch_bucket(batch_size, self.max_num_seqs)
 
     def observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verification: drafts 1..num_accepted were accepted, and draft
@@ -135,11 +139,11 @@ class SpecController:
         return None if base is None else base.value
 
     def choose(self, batch_size: int) -> int:
-        """K for the next step of a batch of ``batch_size`` decoding requests."""
+        """Drafts per request for the next step of a batch of ``batch_size`` decoding requests."""
         if not self.adaptive or batch_size == 0 or self.reached[0] < self.warmup_rounds:
-            k = self.k_max
+            k = self.num_spec_tokens
         else:
-            k = self._best(bucket_of(batch_size), batch_size)
+            k = self._best(self.bucket(batch_size), batch_size)
             if k > 0:  # speculating again: the next spell off starts probing at probe_every
                 self._interval = self.probe_every
             elif self._probed:  # the probe just measured says still off: wait twice as long
@@ -151,12 +155,12 @@ class SpecController:
             if self._steps_off >= self._interval:  # look again: acceptance or costs may have moved
                 self._steps_off = 0
                 self._probed = True
-                k = self.k_max
+                k = self.num_spec_tokens
         else:
             self._steps_off = 0
         if self.adaptive and batch_size > 0:  # an idle engine decides nothing
             self._log_choice(decided, k, batch_size)
-        self._last_k = self.chosen = k
+        self._last_k = self.num_drafts = k
         return k
 
     def _log_choice(self, decided: int, k: int, batch_size: int) -> None:
@@ -184,7 +188,7 @@ class SpecController:
             # Nothing measured yet: speculate and learn.  Once a K step is measured, one
             # plain step measures the base cost (without graph timings, as on the CPU,
             # nothing else would ever measure it and K would stay fixed).
-            return 0 if self._cost_known(bucket, self.k_max + 1) else self.k_max
+            return 0 if self._cost_known(bucket, self.num_spec_tokens + 1) else self.num_spec_tokens
         best_k, best_rate = 0, batch_size / (base + self._propose(0))
         for k in self.candidates:
             cost = self._cost(bucket, k + 1)

@@ -18,6 +18,11 @@ All new tokens of all sequences lie on one axis T, sequence after sequence::
 A sequence's new tokens are the last ``qlen`` positions of its context: the
 pending token(s) of a decode, a prefill chunk, or the pending token plus K
 drafts of a verification.
+
+Batch buckets (:func:`batch_buckets`, :func:`batch_bucket`): the batch sizes a
+uniform step is padded to, so one captured CUDA graph serves every batch up to
+its size; adaptive speculation measures step costs per bucket by the same
+definition, so the graph timings it starts from are found for every batch.
 """
 
 from __future__ import annotations
@@ -123,3 +128,24 @@ class StepBatch:
             block_tables=[s.block_table for s in seqs], logits_rows=rows, row_offsets=offsets,
             num_drafts=[s.num_drafts for s in seqs],
         )
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... up to and including max_num_seqs (the captured batch sizes)."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    out.append(max_num_seqs)
+    return out
+
+
+def batch_bucket(num_seqs: int, max_num_seqs: int | None = None) -> int:
+    """The bucket of a batch of ``num_seqs``: the smallest of ``batch_buckets(max_num_seqs)``
+    that holds it; without ``max_num_seqs``, or past it, the next power of two."""
+    b = 1
+    while b < num_seqs:
+        b *= 2
+    if max_num_seqs is not None and num_seqs <= max_num_seqs:
+        return min(b, max_num_seqs)
+    return b

@@ -17,7 +17,7 @@ import torch
 from specserve.executor.batch import SeqInput
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel
-from specserve.executor.runner import ModelRunner
+from specserve.executor.backends.factory import RunnerFactory
 from specserve.sampling.sampler import RequestTensors, SamplerFlags, verify_step
 
 
@@ -45,7 +45,7 @@ def profile_cuda_memory(loaded: LoadedModel, max_tokens: int, block_size: int, m
     held = torch.cuda.memory_allocated(dev)
     blocks = -(-max_tokens // block_size) + 1
     scratch = KVCache(a.num_layers, blocks, block_size, a.num_kv_heads, a.head_dim, loaded.dtype, dev)
-    runner = ModelRunner(loaded, scratch, cpu_kernel="torch")
+    runner = RunnerFactory(cpu_kernel="torch").runner(loaded, scratch)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     runner.forward([SeqInput([0] * max_tokens, 0, list(range(blocks)), list(range(max_tokens)))])

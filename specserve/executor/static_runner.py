@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 
 from specserve.executor.attention import AttentionMetadata, PagedKernelArgs
-from specserve.executor.batch import StepBatch
+from specserve.executor.batch import StepBatch, batch_bucket
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel
 from specserve.executor.staging import StagingBuffer, Transfer
@@ -130,9 +130,10 @@ class StaticStepRunner:
         else:
             raise ValueError(f"attention_impl: must be 'auto', 'triton' or 'torch', got {attention_impl!r}")
         self.impl = self.attention.used
-        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.cuda = self.device.type == "cuda"  # else a CPU twin (tests): no split-KV, graphs only with a double
+        self.use_graphs = self.cuda if use_graphs is None else use_graphs
         # ``graphs_api``: makes the graph maker (default CudaGraphs; tests: a CPU double)
-        if self.use_graphs and self.device.type != "cuda" and graphs_api is None:
+        if self.use_graphs and not self.cuda and graphs_api is None:
             raise ValueError("use_graphs: CUDA graphs need a CUDA device")
         self.graphs_api = graphs_api if graphs_api is not None else (lambda: CudaGraphs(self.device))
         self.warmed_up = False
@@ -176,7 +177,7 @@ class StaticStepRunner:
 
     # ------------------------------------------------------------------ device side
     def _num_splits(self, num_seqs: int, q: int) -> int:
-        if self.impl == "torch" or q > 1 or self.device.type != "cuda":
+        if self.impl == "torch" or q > 1 or not self.cuda:
             return 1
         from specserve.kernels.paged_attention import default_num_splits
 
@@ -234,7 +235,7 @@ class StaticStepRunner:
         q = batch.uniform_query_len()
         if q is None or q not in self.graph_query_lens or batch.num_seqs > self.max_num_seqs:
             return None
-        bucket = next(b for b in self.buckets if b >= batch.num_seqs)
+        bucket = batch_bucket(batch.num_seqs, self.max_num_seqs)
         return bucket, q
 
     @torch.inference_mode()
@@ -275,7 +276,7 @@ class StaticStepRunner:
                               self.loaded.dtype)
         shapes = runner_step_shapes(g, max_num_seqs=self.max_num_seqs, max_tokens=self.max_tokens,
                                     graph_query_lens=self.graph_query_lens, max_seq_len=self.max_seq_len,
-                                    split_kv=self.device.type == "cuda")
+                                    split_kv=self.cuda)
         return runner_launches(g, shapes, self.device, interpreter_active())
 
     def warm_up(self, progress: bool = True) -> int:

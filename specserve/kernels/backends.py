@@ -186,7 +186,7 @@ def check_rejection(device: torch.device | str, vocab_size: int, method: str) ->
     kernel and with the twin, strict and (for ``probabilistic``) probabilistic with and
     without draft probabilities; the tokens must be equal."""
     from specserve.kernels import rejection_kernel
-    from specserve.sampling.rejection import RejectionUniforms, rejection_sample
+    from specserve.sampling.rejection import RejectionUniforms, verify_chain
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
@@ -202,6 +202,6 @@ def check_rejection(device: torch.device | str, vocab_size: int, method: str) ->
     cases = [("strict", None)] + ([("probabilistic", q), ("probabilistic", None)] if method == "probabilistic" else [])
     for m, dq in cases:
         ids, acc = rejection_kernel.rejection_sample_triton(probs, drafts, num, dq, u.accept, u.sample, m)
-        ref = rejection_sample(probs, drafts, num, dq, u, m, use_kernel=False)
+        ref = verify_chain(probs, drafts, num, dq, u, m, use_kernel=False)
         if not (torch.equal(ids, ref.output_token_ids) and torch.equal(acc, ref.num_accepted)):
             raise KernelCheckError(f"rejection ({m}): tokens differ from the torch twin's")

@@ -213,7 +213,7 @@ def rejection_sample_triton(
 ) -> tuple[Tensor, Tensor]:
     """Run the kernel; returns (output_token_ids [B, K+1] int64 (-1 padded), num_accepted [B] int64).
 
-    Inputs as for :func:`specserve.sampling.rejection.rejection_sample`, with the
+    Inputs as for :func:`specserve.sampling.rejection.verify_chain`, with the
     uniforms passed as ``u_accept`` [B, K] and ``u_sample`` [B, K+1].  ``block_v``
     (a power of two) defaults to min(next_pow2(V), 1024 on CUDA / 4096 on CPU).
     """

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.executor.batch import batch_buckets
 from specserve.kernels.launches import Launch, specialization
 
 
@@ -47,16 +48,6 @@ class StepShape:
     num_tokens: int
     max_query_len: int
     num_splits: int
-
-
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, ... up to and including max_num_seqs (the captured batch sizes)."""
-    out, b = [], 1
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
-    out.append(max_num_seqs)
-    return out
 
 
 def _plan_key(g: AttentionGeometry, s: StepShape) -> tuple:

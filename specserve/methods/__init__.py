@@ -34,6 +34,7 @@ from specserve.errors import ConfigError
 
 __all__ = [
     "MethodSpec",
+    "REJECTION_METHODS",
     "SpeculativeConfig",
     "as_method_options",
     "get_method",
@@ -45,6 +46,9 @@ __all__ = [
     "owners_of",
     "register",
 ]
+
+# The values of method.rejection_sample_method: how drafts are verified (specserve.sampling.rejection).
+REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
 
 
 @dataclass

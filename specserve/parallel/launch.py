@@ -144,16 +144,17 @@ class TensorParallelGroup:
         self.rank = t.rank
         self.device = resolve_tp_device(device_name, t.local_rank, t.local_world_size)
         self.threads = num_threads or default_threads(t.local_world_size)
-        if self.device.type == "cpu":
+        cuda = self.device.type == "cuda"
+        if not cuda:
             torch.set_num_threads(self.threads)
         timeout = datetime.timedelta(seconds=p.timeout_s)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        backend = "nccl" if cuda else "gloo"
         self.procs: dict[int, subprocess.Popen] = {}
         self.reaped: dict[int, int] = {}  # rank -> exit code of workers that have exited
         self.master_port = t.master_port
         log.info("tensor parallel rank %d of %d (%s, %s via %s, %d CPU threads)", t.rank, t.world_size, self.device,
                  backend, t.launcher, self.threads)
-        kw: dict[str, Any] = {"device_id": self.device} if self.device.type == "cuda" else {}
+        kw: dict[str, Any] = {"device_id": self.device} if cuda else {}
         if t.launcher == "torchrun":  # torchrun's agent hosts the store: join it the way it says (env://)
             dist.init_process_group(backend, init_method="env://", rank=t.rank, world_size=t.world_size,
                                     timeout=timeout, **kw)  # fmt: skip

@@ -1,15 +1,17 @@
 """One rank's handle on one tensor-parallel model (``LoadedModel.tp``).
 
-Rank 0 owns the engine: its ``ModelRunner`` sees ``loaded.tp`` and, per step,
-broadcasts the ``StepBatch`` to the workers (``run_step``) and then runs its own
-shard; the workers receive the same batch and run theirs
-(``specserve.parallel.worker``).  Every rank's model is the same object kind, so
-one ``ModelRunner.execute`` is the forward everywhere.
+Rank 0 owns the engine: its runner of a sharded model is the tensor-parallel
+backend (``executor.backends.tensor_parallel``), which registers with the workers
+(``attach``) and, per step, sends them the ``StepBatch`` (``send_step``) before
+running its own shard inside ``step()``; the workers receive the same batch and
+run theirs (``specserve.parallel.worker``) on the torch backend.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -19,7 +21,7 @@ from specserve.parallel.plan import TP_KEY, ShardPlan
 
 if TYPE_CHECKING:
     from specserve.executor.batch import StepBatch
-    from specserve.executor.runner import ForwardOutput, ModelRunner
+    from specserve.executor.runner import Runner
     from specserve.parallel.group import ControlLink
 
 
@@ -32,7 +34,7 @@ class Shard:
         self.model_id = model_id
         self.link = link
         # True while every rank runs the same forward.  A worker is always inside
-        # rank 0's step; rank 0 is inside one only between run_step's broadcast and return.
+        # rank 0's step; rank 0 is inside one only while it runs its part of a step (``step``).
         self.in_step = link is None
         # Rank 0: the id each of this model's runners has on the workers (a model may have
         # several: a profiling runner, a proposer's own); freed there when dropped here.
@@ -46,7 +48,12 @@ class Shard:
     def size(self) -> int:
         return self.plan.size
 
-    def attach(self, runner: "ModelRunner") -> None:
+    @property
+    def leader(self) -> bool:
+        """Rank 0, which sends the steps (a worker follows them)."""
+        return self.link is not None
+
+    def attach(self, runner: "Runner") -> None:
         """Rank 0 built a runner (and KV cache) for this model: workers build theirs with
         the same block count, so block tables and slots mean the same on every rank."""
         if getattr(runner.model, "shard", None) is not self:  # e.g. a view running some of its layers
@@ -62,17 +69,18 @@ class Shard:
             weakref.finalize(runner, self.link.release_runner, rid)
             self.link.send(("runner", self.model_id, rid, kv.num_blocks, kv.block_size, runner.min_causal_len))
 
-    def run_step(
-        self, runner: "ModelRunner", batch: "StepBatch", aux_layer_ids: tuple[int, ...], device_token_ids: Tensor | None
-    ) -> "ForwardOutput":
-        """Rank 0: broadcast the step, then run this rank's part of it."""
+    def send_step(self, runner: "Runner", batch: "StepBatch", aux_layer_ids: tuple[int, ...]) -> None:
+        """Rank 0: the workers run ``batch`` on their twins of ``runner``."""
         assert self.link is not None
-        if device_token_ids is not None:  # a drafter's own samples: the workers need them as ids
-            batch.token_ids = device_token_ids.tolist()
         self.link.send(("step", self._runner_ids[runner], batch, tuple(aux_layer_ids)))
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Rank 0 runs its part of a step every rank runs (vocabulary-parallel layers
+        called inside need no ``join``)."""
         self.in_step = True
         try:
-            return runner.execute(batch, aux_layer_ids)
+            yield
         finally:
             self.in_step = False
 

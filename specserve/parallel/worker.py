@@ -5,7 +5,7 @@ messages in order (``parallel.group``) and answers with collectives only.
 
     load    model_id, how to load it   -> load this rank's shard (same slices rule)
     runner  model_id, runner_id, ...   -> a runner and its KV cache (same block count as rank 0)
-    step    runner_id, StepBatch, aux  -> ModelRunner.execute on the shard
+    step    runner_id, StepBatch, aux  -> the runner's execute on the shard (the torch backend)
     free    runner_id, ...             -> drop runners rank 0 has dropped
     embed   model_id, ids              -> the vocabulary-parallel embedding (an EAGLE head on rank 0)
     logits  model_id, hidden           -> the vocabulary-parallel LM head (same)
@@ -41,15 +41,17 @@ log = logging.getLogger("specserve.parallel.worker")
 
 def serve_worker(group: Any) -> int:
     """Follow rank 0 until it says shutdown (0) or goes away (1)."""
+    from specserve.executor.backends.factory import RunnerFactory
     from specserve.executor.kv_cache import KVCache
     from specserve.executor.loader import load_model
-    from specserve.executor.runner import ModelRunner
+    from specserve.executor.runner import Runner
     from specserve.parallel.group import recv_message
     from specserve.parallel.loading import ShardSpec
 
     rank = group.rank
     models: dict[int, Any] = {}
-    runners: dict[int, ModelRunner] = {}
+    runners: dict[int, Runner] = {}
+    factory = RunnerFactory(cpu_kernel="torch")
     while True:
         try:
             msg = recv_message(group.control_group)
@@ -80,7 +82,7 @@ def serve_worker(group: Any) -> int:
                 m = models[model_id]
                 a = m.arch
                 kv = KVCache(a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, m.dtype, m.device)
-                runners[runner_id] = ModelRunner(m, kv, min_causal_len=min_causal_len, cpu_kernel="torch")
+                runners[runner_id] = factory.runner(m, kv, min_causal_len=min_causal_len)
             elif op == "embed":
                 model_id, ids = payload
                 with torch.inference_mode():

@@ -1,7 +1,9 @@
 """The proposer protocol, and building a method's proposer through the method registry.
 
 A leaf module: it imports nothing of the engine.  A proposer sees only its own
-options (``method.*``) and a read-only view of each sequence.  Which methods exist,
+options (``method.*``), a read-only view of each request (``RequestView``) and,
+when its K/V lives in the engine's cache, a handle to ask for blocks there
+(``KVBlocks``).  Which methods exist,
 their options and where their builders live is the registry's (``specserve.methods``):
 ``build_proposer`` and ``memory_needs`` import a method's proposer module on first use.
 
@@ -16,6 +18,12 @@ the drafts of every request that decodes next, handing it that forward's
 output, so a proposer conditioned on the target (EAGLE, MTP) reads the target's
 hidden states of the positions just committed (``DraftRequest.hidden_rows``).
 The drafts are verified in the next step.
+
+Per-request state: a proposer keeps what it needs per request id (its own KV blocks,
+indexes, counters) and frees it in ``remove``, its release hook: the engine calls it
+from the one teardown of a request (``engine.requests.RequestTable.release``), when
+the request finishes, is aborted or fails, and when it is preempted (recomputed later
+from its tokens: the proposer catches up as for a new request).
 """
 
 from __future__ import annotations
@@ -28,22 +36,43 @@ from torch import Tensor
 from specserve.methods import SpeculativeConfig, as_method_options, get_method, load
 
 
-class SeqView(Protocol):
-    """What a proposer may read of a sequence (``engine.sequence.Sequence`` is one)."""
+class RequestView(Protocol):
+    """What a proposer may read of a request (``engine.sequence.Sequence`` is one).  Read
+    only: the block table grows through ``KVBlocks.ensure``, never by a proposer's hand."""
 
     request_id: str
+    params: Any  # its SamplingParams (temperature, top_k, ... for drafts sampled from q)
+    seed: int  # its Philox key: drafts sampled from q use u(seed, output position, DRAFT)
     token_ids: list[int]  # prompt + output so far (the committed tokens)
+    num_computed: int  # positions whose K/V the target has computed (the committed ones after a step)
+    block_table: list[int]  # the request's KV blocks in the engine's cache (its positions' slots)
 
     @property
     def num_prompt_tokens(self) -> int: ...
 
     @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
     def finished(self) -> bool: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+
+class KVBlocks(Protocol):
+    """The engine's KV blocks, for a proposer whose K/V lives in the requests' own blocks
+    of the engine's cache (its layers past the target's: ``MethodSpec.kv_layers``)."""
+
+    def ensure(self, request: RequestView, num_tokens: int) -> bool:
+        """Make ``request``'s block table hold ``num_tokens`` positions; False (nothing
+        allocated) when the cache has too few free blocks.  The engine trims blocks past
+        the committed positions at the next commit and frees them with the request."""
 
 
 @dataclass
 class DraftRequest:
-    seq: SeqView
+    seq: RequestView
     max_drafts: int  # 1..K: drafts wanted for the next step (room before max_model_len)
     # Rows of the step's forward (its T axis: ForwardOutput.aux[layer][row]) that hold
     # the target's states of this sequence's tokens fed in that step and committed,
@@ -68,12 +97,14 @@ class Proposer(Protocol):
         """Drafts for the next step; ``step`` is the target forward just verified
         (``executor.runner.ForwardOutput``: logits/hidden by logits row, aux by token row)."""
 
-    def on_verified(self, seq: Sequence, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
+    def on_verified(self, seq: RequestView, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         """Called after verification: `num_tokens_before` tokens existed when the
         drafts were proposed, `num_accepted` of `num_drafts` drafts were accepted."""
 
     def remove(self, request_id: str) -> None:
-        """Forget a finished, aborted or preempted request (free its state)."""
+        """The release hook: free everything kept for the request (nothing if there is
+        none).  Called by the engine's one teardown, for a finished, aborted, failed or
+        preempted request; the proposer never frees a request's state on its own."""
 
 
 @dataclass
@@ -85,9 +116,10 @@ class ProposerContext:
     engine: Any  # EngineConfig
     num_kv_blocks: int  # the target's KV block count (a draft KV cache mirrors it)
     # The engine's KVCache (its layers past the target's belong to the proposer: see
-    # MethodSpec.kv_layers) and BlockManager (sequences' block tables); None where not built by an engine.
+    # MethodSpec.kv_layers) and the handle that grows a request's blocks there (KVBlocks);
+    # None where not built by an engine.
     kv: Any = None
-    blocks: Any = None
+    kv_blocks: KVBlocks | None = None
     cache_dir: Any = None  # model.cache_dir (where the fused CPU kernel library is built), None = default
 
 

@@ -151,11 +151,11 @@ class _State:
 
 
 class DFlashProposer(OwnCacheHead):
-    def __init__(self, ck: DFlashCheckpoint, target: Any, k: int, num_blocks: int, block_size: int,
+    def __init__(self, ck: DFlashCheckpoint, target: Any, num_spec_tokens: int, num_blocks: int, block_size: int,
                  probabilistic: bool):
         self.draft = ck.model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
         self.target = target
-        self.k = k
+        self.num_spec_tokens = num_spec_tokens  # K: the most drafts per request and step
         self.block = ck.block_size
         self.mask = ck.mask_token_id
         self.device, self.dtype = target.device, target.dtype
@@ -192,7 +192,7 @@ class DFlashProposer(OwnCacheHead):
             slots.append(self._slots(st.block_table, q0, q0 + m))
             positions.extend(range(q0, q0 + m))
             st.num_ctx = q0 + m  # a gap (prefix-cached blocks) stays zero
-            if r.max_drafts > 0 and self.k > 0:
+            if r.max_drafts > 0 and self.num_spec_tokens > 0:
                 drafting.append((i, st))
         if not rows:
             return Proposal(token_ids=drafts)
@@ -233,7 +233,7 @@ class DFlashProposer(OwnCacheHead):
                 ctx.append((kc.index_select(0, s), vc.index_select(0, s)))
             x = layer(x, cos, sin, ctx, n)
         h = d.norm(x).view(B, n, -1)
-        want = [min(self.k, requests[i].max_drafts, n - 1) for i, _ in drafting]
+        want = [min(self.num_spec_tokens, requests[i].max_drafts, n - 1) for i, _ in drafting]
         logits = self.target.model.compute_logits(h[:, 1:].reshape(B * (n - 1), -1)).view(B, n - 1, -1)
         out = DraftColumns(self.sampler, len(requests), [i for i, _ in drafting], seqs, want)
         for j in range(max(want)):

@@ -19,10 +19,10 @@ from specserve.engine.memory import (decoder_weight_bytes, graph_output_bytes, g
                                      rotary_bytes, runner_buffer_bytes, step_activation_bytes)
 from specserve.kv_blocks import BlockManager
 from specserve.errors import ConfigError
+from specserve.executor.backends.factory import RunnerFactory
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model
 from specserve.executor.batch import SeqInput, StepBatch
-from specserve.executor.runner import ModelRunner
 from specserve.methods import SpeculativeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
 
@@ -34,15 +34,18 @@ class _DraftState:
 
 
 class DraftModelProposer:
+    """``runners``: the factory that picks the draft's backend (``executor.backends.factory``;
+    None: torch, or on CUDA graphs with the attention backend chosen on the draft)."""
+
     aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(
-        self, draft: LoadedModel, k: int, num_blocks: int, block_size: int, cpu_kernel: str = "torch",
-        fused_max_tokens: int | None = None, max_num_seqs: int = 32, cuda_graphs: bool = True,
-        max_step_tokens: int = 2048, mask_token_id: int | None = None, kv: KVCache | None = None,
-        attention_impl: str = "auto",
+        self, draft: LoadedModel, num_spec_tokens: int, num_blocks: int, block_size: int,
+        runners: RunnerFactory | None = None,
+        max_num_seqs: int = 32, max_step_tokens: int = 2048, mask_token_id: int | None = None,
+        kv: KVCache | None = None,
     ):
-        self.k = k
+        self.num_spec_tokens = num_spec_tokens  # K: the most drafts per request and step
         # PARD (parallel drafting): the draft's mask token; all K drafts come from one
         # forward over [newest token, mask x (K-1)] (None: K sequential steps).
         self.mask_token_id = mask_token_id
@@ -51,15 +54,8 @@ class DraftModelProposer:
         if kv is None:  # ``kv``: a cache allocated earlier from the memory budget (layer_skip's)
             kv = KVCache(draft.arch.num_layers, num_blocks, block_size, draft.arch.num_kv_heads,
                          draft.arch.head_dim, draft.dtype, draft.device)
-        static = None
-        if draft.device.type == "cuda" and getattr(draft, "tp", None) is None:  # K decode steps replay graphs
-            from specserve.executor.static_runner import StaticStepRunner
-
-            static = StaticStepRunner(draft, kv, max_num_seqs=max_num_seqs, max_num_tokens=self.max_step_tokens,
-                                      graph_query_lens=(1,), use_graphs=cuda_graphs,
-                                      attention_impl=attention_impl)  # fmt: skip
-            static.capture(progress=False)
-        self.runner = ModelRunner(draft, kv, cpu_kernel=cpu_kernel, fused_max_tokens=fused_max_tokens, static=static)
+        runners = runners if runners is not None else RunnerFactory()
+        self.runner = runners.draft(draft, kv, max_num_seqs=max_num_seqs, max_num_tokens=self.max_step_tokens)
         self.states: dict[str, _DraftState] = {}
 
     def propose(self, requests: list[DraftRequest], step=None) -> Proposal:
@@ -121,7 +117,7 @@ class DraftModelProposer:
         past the committed tokens: the next round overwrites them (the state counts
         real tokens only)."""
         mask = self.mask_token_id
-        want = [min(self.k, requests[i].max_drafts) for i in active]
+        want = [min(self.num_spec_tokens, requests[i].max_drafts) for i in active]
         seqs = []
         for s, w in zip(inputs, want):
             n = len(s.token_ids)
@@ -248,7 +244,7 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
             f"{spec.max_model_len} exceeds the target's max_model_len ({ctx.target.max_model_len})",
         )
     max_len = spec.max_model_len or ctx.target.max_model_len
-    tp = getattr(ctx.target, "tp", None)
+    tp = ctx.target.tp
     if tp is not None and (spec.draft_tensor_parallel_size or tp.size) == tp.size:  # sharded like the target
         from specserve.parallel.launch import current_group
 
@@ -275,8 +271,6 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
         )
     return DraftModelProposer(
         draft, spec.num_speculative_tokens, ctx.num_kv_blocks, ctx.engine.block_size,
-        cpu_kernel=ctx.engine.cpu_kernel, fused_max_tokens=ctx.engine.cpu_fused_max_tokens,
-        max_num_seqs=ctx.engine.max_num_seqs, cuda_graphs=ctx.engine.cuda_graphs != "off",
+        runners=RunnerFactory.from_engine(ctx.engine, ctx.cache_dir), max_num_seqs=ctx.engine.max_num_seqs,
         max_step_tokens=ctx.engine.max_num_batched_tokens, mask_token_id=mask,
-        attention_impl=ctx.engine.attention_backend,
     )

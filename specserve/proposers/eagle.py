@@ -16,25 +16,27 @@ at one position, never an output change.
 
 KV cache: one more layer in the engine's KV cache (the engine allocates
 ``num_layers + 1`` layers for these methods, inside its KV budget), addressed
-by each sequence's own block table; the proposer grows the table by the K - 1
-positions its drafting writes past the committed ones (the next verification
-step needs those blocks anyway).  Rollback is free: after verification the
+by each sequence's own block table; the proposer asks the engine for the blocks
+of the K - 1 positions its drafting writes past the committed ones
+(``ProposerContext.kv_blocks``; the next verification step needs those blocks
+anyway).  Rollback is free: after verification the
 head's real rows end where the target's committed positions end, and the next
 round overwrites every position after them (draft-written K/V included).
 
 CUDA: the K draft steps of a greedy round replay one CUDA graph per batch bucket
-(``head_graphs.HeadDraftGraphs``); the consuming forward, whose row count varies,
-runs eagerly.  CPU in bf16: the head's projections and LM head run on the fused
-decoder's matmul (``kernels.cpu_decoder.FusedLinear``).
+(``executor.backends.head_graphs.HeadDraftGraphs``); the consuming forward, whose
+row count varies, runs eagerly.  CPU in bf16: the head's projections and LM head run
+on the fused decoder's matmul (``kernels.cpu_decoder.FusedLinear``).  Both are the
+backend factory's choice (``executor.backends.factory``), made with the target's.
 
 Drafts: greedy (argmax of the head) for greedy requests and with strict
 verification.  With ``rejection_sample_method=probabilistic`` a sampled
 request's drafts are drawn from q = the head's distribution under the
 request's temperature/top-k/top-p, and q (mapped to the target vocabulary)
 goes to the rejection sampler with the drafts: lossless, and higher
-acceptance than one-hot q.  The draws are the request's keyed numbers
-``u(seed, output position, DRAFT)`` (``heads.draft_uniforms``, the same as
-every head's), so seeded requests are reproducible in any batch.
+acceptance than one-hot q.  Drafts are drawn by every head's sampler
+(``heads.HeadSampler``: the request's keyed numbers ``u(seed, output position,
+DRAFT)``), so seeded requests are reproducible in any batch.
 """
 
 from __future__ import annotations
@@ -49,18 +51,17 @@ from torch import Tensor
 from specserve.engine.memory import (VERIFY_BYTES_PER_LOGIT, graph_pool_bytes, kv_bytes_per_block,
                                      padded_attention_bytes, rotary_bytes, step_activation_bytes)
 from specserve.errors import ConfigError
+from specserve.executor.backends.factory import RunnerFactory
+from specserve.executor.backends.head_graphs import HeadDraftGraphs
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.eagle_loader import build_head, check_against_target, read_head, resolve_head_dir
 from specserve.executor.eagle_loader import read_tensors as read_head_tensors
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.eagle import EagleHead
 from specserve.methods import SpeculativeConfig
-from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.head_graphs import HeadDraftGraphs
-from specserve.proposers.heads import (draft_uniforms, head_metadata, narrow, read_columns, read_tensor_shapes,
+from specserve.proposers.base import DraftRequest, KVBlocks, MemoryNeeds, Proposal, ProposerContext, TargetShape
+from specserve.proposers.heads import (DraftColumns, HeadSampler, head_metadata, narrow, read_tensor_shapes,
                                        step_metadata)
-from specserve.request import GREEDY_EPS
-from specserve.sampling.filters import SamplingTensors, logits_to_probs, sample_from_probs
 
 log = logging.getLogger(__name__)
 
@@ -71,34 +72,24 @@ class _HeadState:
 
 
 class EagleProposer:
-    def __init__(self, head: EagleHead, k: int, kv: tuple[Tensor, Tensor], block_size: int, blocks, *,
-                 probabilistic: bool = False, trash_slot: int | None = None):
+    def __init__(self, head: EagleHead, num_spec_tokens: int, kv: tuple[Tensor, Tensor], block_size: int,
+                 kv_blocks: KVBlocks, *, probabilistic: bool = False, trash_slot: int | None = None):
         self.head = head
         self.trash_slot = trash_slot  # the head cache's padding slot (for static drafting)
-        # The K draft steps over persistent buffers (CUDA graphs per batch bucket); None: eager.
+        # The K greedy draft steps over persistent buffers (CUDA graphs per batch bucket;
+        # ``RunnerFactory.head_graphs``); None: the eager loop.
         self.static: HeadDraftGraphs | None = None
-        self.k = k
+        self.num_spec_tokens = num_spec_tokens  # K: the most drafts per request and step
         self.kv = kv
         self.block_size = block_size
-        self.blocks = blocks  # the engine's BlockManager: the head's K/V lives in the sequences' own blocks
+        self.kv_blocks = kv_blocks  # the engine's blocks: the head's K/V lives in the requests' own blocks
         self.probabilistic = probabilistic
         self.aux_layer_ids: tuple[int, ...] = tuple(head.c.aux_layer_ids)
         self.device = next(head.parameters()).device
         self.dtype = next(head.parameters()).dtype
         self.vocab_size = head.c.vocab_size
+        self.sampler = HeadSampler(probabilistic, self.vocab_size, self.device, head.draft_to_target)
         self.states: dict[str, _HeadState] = {}
-
-    def enable_static(self, max_num_seqs: int, max_seq_len: int, impl: str = "auto",
-                      use_graphs: bool | None = None) -> HeadDraftGraphs:
-        """Draft greedy rounds from persistent buffers (``head_graphs``), captured as CUDA
-        graphs on CUDA (on the CPU: the same loop, eagerly; tests)."""
-        if self.trash_slot is None:
-            raise ValueError("static drafting needs the head cache's trash slot")
-        self.static = HeadDraftGraphs(self.head, self.kv, block_size=self.block_size, trash_slot=self.trash_slot,
-                                      k=self.k, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, impl=impl,
-                                      use_graphs=use_graphs)
-        self.static.capture()
-        return self.static
 
     # ------------------------------------------------------------ proposing
     @torch.inference_mode()
@@ -123,10 +114,10 @@ class EagleProposer:
             if n == 0:
                 continue
             want = r.max_drafts
-            table = r.seq.block_table
             # drafting writes positions p0+n .. p0+n+want-2 past the real rows
-            if want > 0 and not self.blocks.ensure(table, p0 + n + want - 1):
+            if want > 0 and not self.kv_blocks.ensure(r.seq, p0 + n + want - 1):
                 want = 0  # no room in the cache this round: consume the rows, draft nothing
+            table = r.seq.block_table
             inputs.append(SeqInput(toks, p0, table, [n - 1] if want > 0 else []))
             row_ids.extend(rows[:n])
             st.num_fed = p0 + n
@@ -148,70 +139,27 @@ class EagleProposer:
     def _draft(self, requests, drafting, hidden: Tensor, drafts: list[list[int]]) -> Proposal:
         """K autoregressive steps from the last real row of each drafting request; the
         tokens stay on the device until the end (one read per column)."""
-        sampler = self._sampling(requests, drafting)
-        if sampler is None and self.static is not None and len(drafting) <= self.static.max_num_seqs:
+        seqs = [requests[i].seq for i, _, _, _ in drafting]
+        if not self.sampler.needs_q(seqs) and self.static is not None and len(drafting) <= self.static.max_num_seqs:
             rows = [(last, want, table) for _, want, last, table in drafting]
             for (i, *_), d in zip(drafting, self.static.draft(hidden, rows)):
                 drafts[i] = d
             return Proposal(token_ids=drafts)
-        probs = None
-        if sampler is not None:  # (B, K, V) draft distributions for the rejection sampler
-            probs = torch.zeros(len(requests), max(w for _, w, _, _ in drafting), self.vocab_size,
-                                device=self.device)
-        active = list(range(len(drafting)))  # indices into drafting
         want = [w for _, w, _, _ in drafting]
-        columns: list[tuple[list[int], Tensor]] = []
+        out = DraftColumns(self.sampler, len(requests), [i for i, _, _, _ in drafting], seqs, want)
+        active = list(range(len(drafting)))  # indices into drafting
         step = 1
         while True:
-            logits = self.head.logits(hidden)  # (B', Vd) float32
-            if sampler is None:
-                tokens = self.head.to_target_ids(logits.argmax(dim=-1))
-            else:
-                tokens = self._sample(logits, sampler, active, drafting, requests, step, probs)
-            columns.append(([drafting[a][0] for a in active], tokens))
+            tokens = out.draw(self.head.logits(hidden), active, step - 1)  # (B',) target ids
             active, (tokens, hidden) = narrow(active, want, step, tokens, hidden)
             if not active:
                 break
-            seqs = [SeqInput([0], drafting[a][2] + step, drafting[a][3], [0]) for a in active]
-            batch = StepBatch.from_inputs(seqs, self.block_size)
+            inputs = [SeqInput([0], drafting[a][2] + step, drafting[a][3], [0]) for a in active]
+            batch = StepBatch.from_inputs(inputs, self.block_size)
             meta, pos = head_metadata(batch, self.block_size, self.device)
             hidden = self.head(tokens, hidden, pos, meta, self.kv)  # (B', H): the head's own state
             step += 1
-        read_columns(drafts, columns)
-        return Proposal(token_ids=drafts, probs=probs)
-
-    def _sampling(self, requests, drafting) -> SamplingTensors | None:
-        """Per drafting row: its sampling tensors; None when every draft is greedy
-        (strict verification, or greedy requests only)."""
-        if not self.probabilistic:
-            return None
-        params = [requests[i].seq.params for i, _, _, _ in drafting]
-        if all(p.temperature < GREEDY_EPS for p in params):
-            return None
-        return SamplingTensors.build([p.temperature for p in params], [p.top_k for p in params],
-                                     [p.top_p for p in params], [p.min_p for p in params], self.device)
-
-    def _sample(self, logits: Tensor, sampler, active: list[int], drafting, requests, step: int,
-                probs: Tensor) -> Tensor:
-        """Draft tokens (B',) as target ids drawn from q (greedy rows: its argmax); q,
-        mapped to the target vocabulary, is recorded in ``probs`` at column step - 1."""
-        st_all = sampler
-        sel = torch.tensor(active, dtype=torch.int64, device=self.device)
-        st = SamplingTensors(
-            temperature=st_all.temperature[sel], top_k=st_all.top_k[sel], top_p=st_all.top_p[sel],
-            min_p=st_all.min_p[sel], greedy=st_all.greedy[sel], all_greedy=False, any_greedy=st_all.any_greedy,
-            any_top_k=st_all.any_top_k, any_top_p=st_all.any_top_p, any_min_p=st_all.any_min_p,
-        )
-        q = logits_to_probs(logits, st)  # (B', Vd)
-        seqs = [requests[drafting[a][0]].seq for a in active]
-        u = draft_uniforms(seqs, [s.num_output_tokens + step - 1 for s in seqs], self.device)  # (B',)
-        head = self.head
-        tokens = head.to_target_ids(sample_from_probs(q, u))
-        if head.draft_to_target is not None:
-            q = torch.zeros(q.shape[0], self.vocab_size, device=self.device).index_copy_(1, head.draft_to_target, q)
-        rows = torch.tensor([drafting[a][0] for a in active], dtype=torch.int64, device=self.device)
-        probs[rows, step - 1] = q
-        return tokens
+        return out.proposal(drafts)
 
     # ------------------------------------------------------------ bookkeeping
     def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
@@ -238,28 +186,6 @@ def _head_kv(ctx: ProposerContext, head: EagleHead) -> tuple[tuple[Tensor, Tenso
     return own.layer(0), own.trash_slot
 
 
-def _fuse_on_cpu(head: EagleHead, ctx: ProposerContext) -> None:
-    """In bf16 on a CPU, where the target runs on the fused decoder (``engine.cpu_kernel``
-    auto/fused, no tensor parallelism), the head's projections and LM head run on the
-    fused decoder's matmul too: torch's bf16 matmul without native bf16 is about 3x
-    slower, and the head's weights are most of a draft step."""
-    t = ctx.target
-    if t.device.type != "cpu" or t.dtype != torch.bfloat16 or getattr(t, "tp", None) is not None:
-        return
-    if ctx.engine.cpu_kernel not in ("auto", "fused"):
-        return
-    from specserve.executor.loader import default_cache_dir
-    from specserve.kernels.cpu_decoder import KernelUnavailable, fuse_linears, load_library
-
-    try:
-        lib = load_library(ctx.cache_dir or default_cache_dir())
-    except KernelUnavailable as e:
-        log.info("the head runs on torch (fused CPU kernel unavailable: %s)", e)
-        return
-    n = fuse_linears(head, lib, fp32_out=("lm_head",))
-    log.info("the head's %d projections run on the fused CPU kernel", n)
-
-
 def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
     path = spec.model or (ctx.draft_model.path if ctx.draft_model is not None else None)
     key = "method.model" if spec.model else "draft.path"
@@ -273,20 +199,20 @@ def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
     check_against_target(ck, ctx.target.arch, k, key)
     t = ctx.target
     head = build_head(ck, t.model, t.dtype, t.device, t.max_model_len + k + 1)
-    _fuse_on_cpu(head, ctx)
-    blocks = getattr(ctx, "blocks", None)
-    if blocks is None:
-        raise ConfigError("method.method", f"{spec.method} needs the engine's block manager (ProposerContext.blocks)")
+    runners = RunnerFactory.from_engine(ctx.engine, ctx.cache_dir)
+    runners.fuse_head(head, t)
+    kv_blocks = getattr(ctx, "kv_blocks", None)
+    if kv_blocks is None:
+        raise ConfigError("method.method", f"{spec.method} needs the engine's KV blocks (ProposerContext.kv_blocks)")
     log.info("%s head from %s (%s layout): target layers %s, draft vocabulary %d of %d", spec.method, ck.path,
              ck.layout, list(ck.config.aux_layer_ids), ck.config.draft_vocab_size, ck.config.vocab_size)
     kv, trash = _head_kv(ctx, head)
     proposer = EagleProposer(
-        head, k, kv, ctx.engine.block_size, blocks,
+        head, k, kv, ctx.engine.block_size, kv_blocks,
         probabilistic=spec.rejection_sample_method == "probabilistic", trash_slot=trash,
     )
-    if t.device.type == "cuda" and getattr(t, "tp", None) is None and ctx.engine.cuda_graphs != "off":
-        # the K draft steps as CUDA graphs, on the attention backend the engine's check chose
-        proposer.enable_static(ctx.engine.max_num_seqs, t.max_model_len, impl=ctx.engine.attention_backend)
+    proposer.static = runners.head_graphs(head, kv, t, block_size=ctx.engine.block_size, trash_slot=trash, k=k,
+                                          max_seq_len=t.max_model_len)  # fmt: skip
     return proposer
 
 

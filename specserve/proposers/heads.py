@@ -1,5 +1,5 @@
-"""What the proposers with their own small networks share (MTP layers, the MLP
-speculator, the DFlash block): attention metadata for their paged KV caches, reading
+"""What the proposers with their own small networks share (EAGLE heads, MTP layers,
+the MLP speculator, the DFlash block): attention metadata for their paged KV caches, reading
 a few tensors of a checkpoint, fusing one decoder layer's weights, turning their
 logits into draft tokens (``HeadSampler``) and a round's drafts into a proposal
 (``DraftColumns``, ``narrow``).
@@ -15,7 +15,9 @@ lossless, and more drafts accepted than with one-hot q.  The draws are the
 request's keyed numbers ``u(seed, output position, DRAFT)``
 (:func:`draft_uniforms`: the same key as verification, another purpose, so the
 drafts are independent of the accept tests), so a seeded request's drafts do not
-depend on the batch it is in.
+depend on the batch it is in.  A head with a reduced draft vocabulary (EAGLE-3)
+gives its ``draft_to_target`` map: drafts come back as target ids and q on the
+target's vocabulary.
 """
 
 from __future__ import annotations
@@ -44,26 +46,40 @@ def draft_uniforms(seqs: list, positions: list[int], device: torch.device) -> Te
 
 
 class HeadSampler:
-    def __init__(self, probabilistic: bool, vocab_size: int, device: torch.device):
+    """The one draft sampler of every head: argmax, or a draw from q with the request's keyed numbers.
+
+    ``vocab_size``: the target's; ``draft_to_target``: (Vd,) int64 target id of each of a
+    head's draft ids when it drafts over a reduced vocabulary, else None."""
+
+    def __init__(self, probabilistic: bool, vocab_size: int, device: torch.device,
+                 draft_to_target: Tensor | None = None):
         self.probabilistic = probabilistic
         self.vocab_size = vocab_size
         self.device = device
+        self.draft_to_target = draft_to_target
 
     def needs_q(self, seqs: list) -> bool:
         """Whether any of these requests drafts by sampling (else argmax everywhere)."""
         return self.probabilistic and any(s.params.temperature >= GREEDY_EPS for s in seqs)
 
     def draw(self, logits: Tensor, seqs: list, positions: list[int]) -> tuple[Tensor, Tensor | None]:
-        """Draft tokens (B,) from logits (B, V), one row per request in ``seqs``;
+        """Draft tokens (B,) (target ids) from logits (B, Vd), one row per request in ``seqs``;
         ``positions``: the output index each draft is a guess for.  Returns the tokens
-        and, when some row sampled, q (B, V) (one-hot rows for greedy requests)."""
+        and, when some row sampled, q (B, V) on the target's vocabulary (one-hot rows
+        for greedy requests)."""
+        d2t = self.draft_to_target
         if not self.needs_q(seqs):
-            return logits.argmax(dim=-1), None
+            tokens = logits.argmax(dim=-1)
+            return (tokens if d2t is None else d2t[tokens]), None
         ps = [s.params for s in seqs]
         st = SamplingTensors.build([p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                                    [p.min_p for p in ps], self.device)
-        q = logits_to_probs(logits.float(), st)  # greedy rows: one-hot at the argmax
-        return sample_from_probs(q, draft_uniforms(seqs, positions, self.device)), q
+        q = logits_to_probs(logits.float(), st)  # (B, Vd); greedy rows: one-hot at the argmax
+        tokens = sample_from_probs(q, draft_uniforms(seqs, positions, self.device))
+        if d2t is None:
+            return tokens, q
+        q_target = torch.zeros(q.shape[0], self.vocab_size, device=self.device).index_copy_(1, d2t, q)
+        return d2t[tokens], q_target
 
 
 class DraftColumns:

@@ -25,8 +25,8 @@ requests are decoded without drafts until it is done):
    highest is skipped;
 3. the choice, its agreement and the time taken are logged at INFO.
 
-The draft's data path is chosen like the target's (``engine.cpu_kernel``, through
-:class:`ModelRunner`): in bfloat16 on a CPU the fused decoder runs, where it can, a
+The draft's backend is chosen like any draft's (``executor.backends.factory``): in
+bfloat16 on a CPU (``engine.cpu_kernel``) the fused decoder runs, where it can, a
 :class:`~specserve.kernels.cpu_decoder.CpuDecoder` over the kept layers only (it
 reads the target's bf16 weight tensors in place, and the compact draft cache), so
 a draft step costs (kept / all layers) of a target step; float32 runs torch, and on
@@ -58,8 +58,8 @@ from specserve.errors import ConfigError
 from specserve.executor.attention import batch_metadata
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.kv_cache import KVCache
+from specserve.executor.backends.factory import RunnerFactory
 from specserve.executor.loader import LoadedModel
-from specserve.executor.runner import ModelRunner
 from specserve.kv_blocks import BlockManager
 from specserve.methods.layer_skip import LayerSkipOptions
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
@@ -153,14 +153,13 @@ def skip_loaded(target: LoadedModel, model: SkipModel) -> LoadedModel:
 
 @torch.inference_mode()
 def calibrate(target: LoadedModel, sequences: list[list[int]], num_skip: int,
-              candidates: int = CANDIDATES, cpu_kernel: str = "torch",
-              fused_max_tokens: int | None = None) -> tuple[list[int], float]:
+              candidates: int = CANDIDATES, runners: RunnerFactory | None = None) -> tuple[list[int], float]:
     """Greedy layer choice (module docstring): returns (skipped layer ids, sorted; the
     draft's top-1 agreement with the full model over the sequences' positions).
 
-    ``cpu_kernel`` / ``fused_max_tokens`` (the engine's): where a ModelRunner of the
-    target would run the fused CPU decoder, the forwards run on it (a decoder over
-    each candidate's kept layers), else torch."""
+    ``runners`` (the engine's factory; None: torch): where the target's runner would
+    be the fused CPU decoder for a step of these tokens, the forwards run on it (a
+    decoder over each candidate's kept layers), else torch."""
     a = target.arch
     block = CALIBRATION_BLOCK
     tables, start = [], 0
@@ -171,9 +170,10 @@ def calibrate(target: LoadedModel, sequences: list[list[int]], num_skip: int,
     kv = KVCache(a.num_layers, start, block, a.num_kv_heads, a.head_dim, target.dtype, target.device)  # scratch
     batch = StepBatch.from_inputs([SeqInput(list(s), 0, t, list(range(len(s) - 1))) for s, t in zip(sequences, tables)],
                                   block)
+    runners = runners if runners is not None else RunnerFactory()
     fused = None
-    if fused_max_tokens is None or batch.num_tokens <= fused_max_tokens:  # the runner decides, as for the target
-        fused = ModelRunner(skip_loaded(target, SkipModel(target.model)), kv, cpu_kernel=cpu_kernel).fused
+    if runners.fused_max_tokens is None or batch.num_tokens <= runners.fused_max_tokens:  # as for a target step
+        fused = runners.runner(skip_loaded(target, SkipModel(target.model)), kv).fused
     if fused is not None:
         forward = _fused_forward(target, fused, kv, batch)
     else:
@@ -240,8 +240,9 @@ class LayerSkipProposer:
 
     def __init__(self, spec: LayerSkipOptions, ctx: ProposerContext):
         self.target: LoadedModel = ctx.target
-        self.k = spec.num_speculative_tokens
+        self.num_spec_tokens = spec.num_speculative_tokens
         self.ctx = ctx
+        self.runners = RunnerFactory.from_engine(ctx.engine, ctx.cache_dir)
         L = self.target.arch.num_layers
         self.num_skip = round(spec.skip_ratio * L)
         self.calibration_tokens = spec.skip_calibration_tokens
@@ -266,8 +267,8 @@ class LayerSkipProposer:
 
     def _build(self, skip: list[int]) -> None:
         """A new draft skipping ``skip``: a runner over the compact KV cache allocated at
-        construction, which (``engine.cpu_kernel``, as the target's) is the fused CPU
-        decoder over the kept layers in bf16 on a CPU where the kernel runs, else torch."""
+        construction, from the factory (the fused CPU decoder over the kept layers in bf16
+        on a CPU where the kernel runs, graphs on CUDA, else torch)."""
         self.skip_layers = skip
         model = SkipModel(self.target.model, set(skip))
         e = self.ctx.engine
@@ -276,9 +277,8 @@ class LayerSkipProposer:
             self.kv = KVCache(len(model.kept), self.ctx.num_kv_blocks, e.block_size, t.arch.num_kv_heads,
                               t.arch.head_dim, t.dtype, t.device)
         self.inner = DraftModelProposer(
-            skip_loaded(self.target, model), self.k, self.ctx.num_kv_blocks, e.block_size, cpu_kernel=e.cpu_kernel,
-            fused_max_tokens=e.cpu_fused_max_tokens, max_num_seqs=e.max_num_seqs, cuda_graphs=e.cuda_graphs != "off",
-            max_step_tokens=e.max_num_batched_tokens, kv=self.kv, attention_impl=e.attention_backend,
+            skip_loaded(self.target, model), self.num_spec_tokens, self.ctx.num_kv_blocks, e.block_size,
+            runners=self.runners, max_num_seqs=e.max_num_seqs, max_step_tokens=e.max_num_batched_tokens, kv=self.kv,
         )
 
     @property
@@ -302,9 +302,7 @@ class LayerSkipProposer:
                 seqs.append(part)
                 budget -= len(part)
         t0 = time.perf_counter()
-        e = self.ctx.engine
-        skip, agreement = calibrate(self.target, seqs, self.num_skip, cpu_kernel=e.cpu_kernel,
-                                    fused_max_tokens=e.cpu_fused_max_tokens)
+        skip, agreement = calibrate(self.target, seqs, self.num_skip, runners=self.runners)
         self.agreement = agreement
         log.info(
             "layer_skip: calibrated on %d tokens of %d requests in %.1f s: skipping %d of %d layers %s; the "

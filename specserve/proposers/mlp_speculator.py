@@ -111,9 +111,9 @@ def load_mlp_speculator(path: str, key: str, target_hidden: int, target_vocab: i
 
 
 class MLPSpeculatorProposer:
-    def __init__(self, model: MLPSpeculator, target: Any, k: int, probabilistic: bool):
+    def __init__(self, model: MLPSpeculator, target: Any, num_spec_tokens: int, probabilistic: bool):
         self.model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-        self.k = k
+        self.num_spec_tokens = num_spec_tokens  # K: the most drafts per request and step
         self.device = target.device
         self.dtype = target.dtype
         self.aux_layer_ids = (target.arch.num_layers,)  # final-normed hidden state of every row
@@ -129,7 +129,7 @@ class MLPSpeculatorProposer:
         last = torch.tensor([requests[i].hidden_rows[-1] for i in active], dtype=torch.int64, device=feats.device)
         state = self.model.first_state(feats.index_select(0, last).to(device=self.device, dtype=self.dtype))
         tokens = torch.tensor([requests[i].seq.token_ids[-1] for i in active], dtype=torch.int64, device=self.device)
-        want = [min(self.k, requests[i].max_drafts) for i in active]
+        want = [min(self.num_spec_tokens, requests[i].max_drafts) for i in active]
         out = DraftColumns(self.sampler, len(requests), active, [requests[i].seq for i in active], want)
         rows = list(range(len(active)))  # positions in `active` still drafting
         for s in range(max(want)):

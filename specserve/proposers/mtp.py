@@ -153,12 +153,12 @@ class _State:
 
 
 class MTPProposer(OwnCacheHead):
-    def __init__(self, target: LoadedModel, layers: nn.ModuleList, k: int, num_blocks: int, block_size: int,
-                 probabilistic: bool):
+    def __init__(self, target: LoadedModel, layers: nn.ModuleList, num_spec_tokens: int, num_blocks: int,
+                 block_size: int, probabilistic: bool):
         self.target = target
         self.model = target.model
         self.layers = layers.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-        self.k = k
+        self.num_spec_tokens = num_spec_tokens  # K: the most drafts per request and step
         self.device = target.device
         self.block_size = block_size
         self.aux_layer_ids = (target.arch.num_layers,)  # the final-normed hidden state of every row
@@ -198,7 +198,7 @@ class MTPProposer(OwnCacheHead):
             m = len(r.hidden_rows)
             q0 = seq.num_computed - m  # position of the first row fed in the step
             st.num_computed = q0  # a gap (prefix-cached blocks) stays empty
-            want = r.max_drafts if r.max_drafts > 0 and self.k > 0 else 0
+            want = r.max_drafts if r.max_drafts > 0 and self.num_spec_tokens > 0 else 0
             if not self.blocks.ensure(st.block_table, q0 + m + max(want - 1, 0)):
                 want = 0
                 if not self.blocks.ensure(st.block_table, q0 + m):
@@ -221,7 +221,7 @@ class MTPProposer(OwnCacheHead):
         return self._draft(requests, drafting, nxt, y, drafts)
 
     def _draft(self, requests, drafting, h: Tensor, y: Tensor, drafts: list[list[int]]) -> Proposal:
-        want = [min(self.k, requests[i].max_drafts) for i, _, _ in drafting]
+        want = [min(self.num_spec_tokens, requests[i].max_drafts) for i, _, _ in drafting]
         out = DraftColumns(self.sampler, len(requests), [i for i, _, _ in drafting],
                            [requests[i].seq for i, _, _ in drafting], want)
         active = list(range(len(drafting)))

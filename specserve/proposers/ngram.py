@@ -35,13 +35,13 @@ class NgramProposer:
     def __init__(self, spec: NgramOptions):
         self.n_min = spec.prompt_lookup_min or 5
         self.n_max = spec.prompt_lookup_max or self.n_min
-        self.k = spec.num_speculative_tokens
+        self.num_spec_tokens = spec.num_speculative_tokens
 
     def propose(self, requests: list[DraftRequest], step=None) -> Proposal:
         out = []
         for r in requests:
             toks = np.asarray(r.seq.token_ids, dtype=np.int64)
-            out.append(ngram_lookup(toks, self.n_min, self.n_max, min(self.k, r.max_drafts)))
+            out.append(ngram_lookup(toks, self.n_min, self.n_max, min(self.num_spec_tokens, r.max_drafts)))
         return Proposal(token_ids=out)
 
     def on_verified(self, seq, num_tokens_before, num_drafts, num_accepted) -> None:

@@ -43,6 +43,11 @@ gets the method's drafts, capped at the method's K.  With no method configured,
 only predictions draft.  How many leading drafts of a step came from the
 prediction is returned so that the engine can count accepted and rejected
 prediction tokens (OpenAI's ``completion_tokens_details``).
+
+Per-request state: a request's ``PredictionIndex`` is built on its first proposal
+and kept by request id; ``remove`` frees it, called only from the engine's one
+teardown of a request (``engine.requests.RequestTable.release``: finish, abort,
+failure, preemption).
 """
 
 from __future__ import annotations
@@ -127,11 +132,12 @@ class PredictionIndex:
 
 
 class PredictedOutputs:
-    """Per-request prediction indexes, composed with the configured proposer (or alone)."""
+    """Per-request prediction indexes, composed with the configured proposer (or alone).
+    ``num_spec_tokens``: the most drafts a prediction gives per step."""
 
-    def __init__(self, k: int, min_match: int = DEFAULT_MIN_MATCH, max_match: int = DEFAULT_MAX_MATCH,
+    def __init__(self, num_spec_tokens: int, min_match: int = DEFAULT_MIN_MATCH, max_match: int = DEFAULT_MAX_MATCH,
                  window: int = DEFAULT_WINDOW):
-        self.k = k
+        self.num_spec_tokens = num_spec_tokens
         self.min_match, self.max_match, self.window = min_match, max_match, window
         self.indexes: dict[str, PredictionIndex] = {}
 
@@ -152,16 +158,17 @@ class PredictedOutputs:
         if idx is None:
             return []
         idx.update(r.seq.token_ids)
-        return idx.draft(min(self.k, r.max_drafts))
+        return idx.draft(min(self.num_spec_tokens, r.max_drafts))
 
-    def propose(self, requests: list[DraftRequest], step: Any, inner: Any, inner_k: int) -> tuple[Proposal, list[int]]:
+    def propose(self, requests: list[DraftRequest], step: Any, inner: Any,
+                inner_num_spec_tokens: int) -> tuple[Proposal, list[int]]:
         """Drafts for every request: its prediction's where it has some, else ``inner``'s
-        (capped at ``inner_k``).  Returns the proposal and, per request, how many of its
+        (capped at ``inner_num_spec_tokens``, the method's K).  Returns the proposal and, per request, how many of its
         drafts came from the prediction."""
         pred = [self.drafts_for(r) if r.max_drafts > 0 else [] for r in requests]
         if inner is None:
             return Proposal(token_ids=pred), [len(p) for p in pred]
-        sub = [DraftRequest(r.seq, 0 if p else min(r.max_drafts, inner_k), r.hidden_rows)
+        sub = [DraftRequest(r.seq, 0 if p else min(r.max_drafts, inner_num_spec_tokens), r.hidden_rows)
                for r, p in zip(requests, pred)]
         prop = inner.propose(sub, step)
         tokens = [p if p else list(t[: s.max_drafts]) for p, t, s in zip(pred, prop.token_ids, sub)]
@@ -171,6 +178,7 @@ class PredictedOutputs:
         return Proposal(token_ids=tokens, probs=probs), [len(p) for p in pred]
 
     def remove(self, request_id: str) -> None:
+        """The release hook of the request's index (see the module docstring)."""
         self.indexes.pop(request_id, None)
 
 

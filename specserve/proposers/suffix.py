@@ -432,12 +432,12 @@ class SuffixProposer:
     aux_layer_ids: tuple[int, ...] = ()  # reads no target states
 
     def __init__(self, spec: SuffixOptions):
-        self.k = spec.num_speculative_tokens
+        self.num_spec_tokens = spec.num_speculative_tokens
         self.factor = spec.suffix_decoding_max_spec_factor
         self.min_prob = spec.suffix_decoding_min_token_prob
         self.cache = SuffixCache(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
                                  spec.suffix_decoding_max_cached_bytes)
-        self.seqs: dict[str, Any] = {}  # request id -> its sequence (a SeqView)
+        self.seqs: dict[str, Any] = {}  # request id -> its sequence (a RequestView)
 
     def propose(self, requests: list[DraftRequest], step: Any = None) -> Proposal:
         out = []
@@ -446,7 +446,7 @@ class SuffixProposer:
             self.seqs[rid] = r.seq
             done = self.cache.num_indexed(rid)
             self.cache.extend(rid, r.seq.token_ids[done:])
-            n = min(self.k, r.max_drafts)
+            n = min(self.num_spec_tokens, r.max_drafts)
             tenant = _tenant(r.seq)
             out.append(self.cache.speculate(rid, n, self.factor, self.min_prob, tenant).token_ids if n > 0 else [])
         return Proposal(token_ids=out)

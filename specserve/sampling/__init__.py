@@ -1,14 +1,8 @@
 """Sampling: logits processing, inverse-CDF sampling and draft verification."""
 
-from specserve.sampling.filters import SamplingTensors, draw_uniforms, logits_to_probs, sample_from_probs
-from specserve.sampling.rejection import (
-    REJECTION_METHODS,
-    RejectionOutput,
-    RejectionUniforms,
-    rejection_sample,
-    rejection_sample_greedy,
-)
+from specserve.sampling.filters import SamplingTensors, logits_to_probs, sample_from_probs
 from specserve.sampling.philox import keyed_uniforms, philox_uniforms, random_seed, seed_to_int64
+from specserve.sampling.rejection import REJECTION_METHODS, RejectionOutput, RejectionUniforms, verify_chain
 from specserve.sampling.sampler import (
     DeviceSampler,
     RequestTensors,
@@ -29,17 +23,15 @@ __all__ = [
     "SamplerFlags",
     "SamplingTensors",
     "StepInputs",
-    "draw_uniforms",
     "keyed_uniforms",
     "logits_to_probs",
     "philox_uniforms",
     "process_logits",
     "random_seed",
-    "rejection_sample",
-    "rejection_sample_greedy",
     "sample_from_probs",
     "seed_to_int64",
     "step_uniforms",
     "unpack",
+    "verify_chain",
     "verify_step",
 ]

@@ -5,9 +5,9 @@ one row per (request, position) when verifying speculative drafts.  Per-row
 parameters live in :class:`SamplingTensors`; its Python-side flags let the hot
 path skip work nobody asked for (no sort when no row uses top-k/top-p).
 
-Sampling is by inverse CDF from caller-supplied uniforms, so a request with its
-own seeded ``torch.Generator`` gets the same tokens whatever batch it lands in
-(see :func:`draw_uniforms`).
+Sampling is by inverse CDF from caller-supplied uniforms: the engine's are keyed by
+(request seed, output position, purpose) (``specserve.sampling.philox.keyed_uniforms``),
+so a seeded request gets the same tokens whatever batch it lands in.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from specserve.request import GREEDY_EPS
 
-__all__ = ["SamplingTensors", "draw_uniforms", "logits_to_probs", "sample_from_probs"]
+__all__ = ["SamplingTensors", "logits_to_probs", "sample_from_probs"]
 
 
 @dataclass
@@ -189,22 +189,3 @@ def sample_from_probs(probs: Tensor, uniforms: Tensor) -> Tensor:
     last = torch.where(positive, idx, torch.zeros_like(idx)).amax(dim=-1)
     return torch.where(hit.any(dim=-1), first, last).to(torch.int64)
 
-
-def draw_uniforms(
-    generators: Sequence[torch.Generator | None], num: int, device: torch.device | str = "cpu"
-) -> Tensor:
-    """Uniforms [len(generators), num] float32 in [0, 1), row b drawn from ``generators[b]``.
-
-    A seeded generator yields the same row whatever else is in the batch.  Rows
-    with ``None`` share one draw from the default generator of ``device``.
-    """
-    if num < 0:
-        raise ValueError(f"num: must be >= 0, got {num}")
-    out = torch.empty(len(generators), num, dtype=torch.float32, device=device)
-    unseeded = [b for b, g in enumerate(generators) if g is None]
-    if unseeded:
-        out[unseeded] = torch.rand(len(unseeded), num, device=device)
-    for b, g in enumerate(generators):
-        if g is not None:
-            out[b] = torch.rand(num, generator=g, device=g.device).to(device)
-    return out

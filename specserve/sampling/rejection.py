@@ -17,52 +17,43 @@ Methods:
   real distribution.  Without draft probabilities q is one-hot at d_i.
 - ``synthetic``: accept position i iff u < rate.  NOT lossless: benchmarking only.
 
-All random numbers come from :class:`RejectionUniforms`, drawn per request so
-seeded requests are reproducible whatever the batch.  Tensors with ``[B, K]``
-shape are padded beyond ``num_draft_tokens[b]`` (draft ids with -1).
+One public function, :func:`verify_chain`, verifies a batch of draft chains: the
+engine's device sampler (``specserve.sampling.sampler.verify_step``) calls it on the
+probabilities it has processed, the start-up kernel check and the tests call it on
+theirs.  It takes the target either as probabilities (strict, probabilistic,
+synthetic) or as its tokens already chosen (``target_tokens``: greedy rows, where
+the token is the argmax and verification needs no probabilities).
+
+The random numbers are the caller's (:class:`RejectionUniforms`): the engine keys
+them by (request seed, output position, purpose) (``sampler.step_uniforms``), so a
+seeded request's tokens do not depend on its batch.  Tensors with ``[B, K]`` shape
+are padded beyond ``num_draft_tokens[b]`` (draft ids with -1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from specserve.sampling.filters import draw_uniforms, sample_from_probs
+from specserve.methods import REJECTION_METHODS
+from specserve.sampling.filters import sample_from_probs
 
 __all__ = [
     "REJECTION_METHODS",
     "RejectionOutput",
     "RejectionUniforms",
-    "rejection_sample",
-    "rejection_sample_greedy",
+    "verify_chain",
 ]
-
-REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
 
 
 @dataclass
 class RejectionUniforms:
-    """The random numbers of one verification step, row b from request b's generator."""
+    """The random numbers of one verification step, one row per request."""
 
     accept: Tensor  # [B, K] float32 in [0, 1): accept tests (probabilistic, synthetic)
     sample: Tensor  # [B, K+1] float32 in [0, 1): inverse-CDF draws at each position
-
-    @classmethod
-    def draw(
-        cls, generators: Sequence[torch.Generator | None], K: int, device: torch.device | str = "cpu"
-    ) -> "RejectionUniforms":
-        """Draw 2K+1 uniforms per request from ``generators[b]`` (None = default generator).
-
-        A request always consumes exactly 2K+1 numbers per step, whatever the
-        method and however many drafts it had, so its stream stays in step.
-        """
-        if K < 0:
-            raise ValueError(f"K: must be >= 0, got {K}")
-        u = draw_uniforms(generators, 2 * K + 1, device)  # [B, 2K+1]
-        return cls(accept=u[:, :K].contiguous(), sample=u[:, K:].contiguous())
 
 
 @dataclass
@@ -75,6 +66,123 @@ class RejectionOutput:
         ids = self.output_token_ids.tolist()
         return [row[: n + 1] for row, n in zip(ids, self.num_accepted.tolist())]
 
+    def packed(self) -> Tensor:
+        """[B, K+2] int64: the tokens, then num_accepted (the device sampler's one result)."""
+        return torch.cat([self.output_token_ids, self.num_accepted[:, None]], dim=1)
+
+
+def verify_chain(
+    target_probs: Tensor | None,
+    draft_token_ids: Tensor,
+    num_draft_tokens: Tensor,
+    draft_probs: Tensor | None = None,
+    uniforms: RejectionUniforms | None = None,
+    method: str = "strict",
+    synthetic_acceptance_rate: float | None = None,
+    *,
+    target_tokens: Tensor | None = None,
+    use_kernel: bool | None = None,
+    validate: bool = True,
+) -> RejectionOutput:
+    """Verify drafts against the target; see the module docstring for the methods.
+
+    Args:
+        target_probs: [B, K+1, V] float32, processed (temperature/top-k/top-p/min-p);
+            greedy rows one-hot.  Row b is read at positions 0..num_draft_tokens[b].
+            None when ``target_tokens`` is given.
+        draft_token_ids: [B, K] int64, -1 beyond num_draft_tokens[b].
+        num_draft_tokens: [B] int64 in 0..K.
+        draft_probs: [B, K, V] float32, or None for drafters without distributions
+            (n-gram, suffix, greedy drafters): q is then one-hot at the draft.
+        uniforms: the step's random numbers; not needed with ``target_tokens`` unless
+            the method is synthetic.
+        method: "strict", "probabilistic" or "synthetic".
+        synthetic_acceptance_rate: in [0, 1], required with (and only with) "synthetic".
+            Synthetic acceptance is NOT lossless: it accepts drafts with a fixed
+            probability regardless of the target and exists to benchmark the
+            engine at a chosen acceptance rate.  Its emitted non-draft tokens are
+            target samples (argmax for greedy rows).
+        target_tokens: [B, K+1] int64, the target's tokens already chosen at each
+            position (greedy rows: the argmax of the raw logits), instead of
+            ``target_probs``.  Strict verification then accepts while d_i equals
+            them, which is exactly plain greedy decoding; synthetic accepts by the
+            rate.  Probabilistic needs probabilities (on one-hot targets it is strict).
+        use_kernel: None = the Triton kernel when the tensors are on CUDA and
+            triton is importable (strict/probabilistic on probabilities); True forces
+            it (on CPU it runs under Triton's interpreter); False forces the torch reference.
+        validate: check shapes, dtypes and (on the CPU) values first.  The device
+            sampler passes False: it has checked its inputs, and reading values on the
+            host would synchronise the step.
+
+    Returns:
+        RejectionOutput; row b emits output_token_ids[b, :num_accepted[b] + 1].
+    """
+    if method not in REJECTION_METHODS:
+        raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
+    rate = synthetic_acceptance_rate
+    if method == "synthetic":
+        if rate is None or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"synthetic_acceptance_rate: must be in [0, 1] with method 'synthetic', got {rate}")
+    elif rate is not None:
+        raise ValueError(f"synthetic_acceptance_rate: only valid with method 'synthetic', not {method!r}")
+    if target_tokens is not None:
+        return _verify_tokens(target_probs, target_tokens, draft_token_ids, num_draft_tokens, uniforms, method, rate,
+                              use_kernel, validate)
+    if target_probs is None:
+        raise ValueError("target_probs: required (or target_tokens)")
+    if validate:
+        if target_probs.dtype != torch.float32:
+            raise ValueError(f"target_probs: expected float32, got {target_probs.dtype}")
+        B, K = _check_inputs(target_probs, draft_token_ids, num_draft_tokens, draft_probs)
+        if uniforms is None:
+            raise ValueError("uniforms: required to verify against target_probs")
+        _check_uniforms(uniforms, B, K, draft_token_ids.device)
+
+    if method == "synthetic":
+        if use_kernel:
+            raise ValueError("use_kernel: the Triton kernel implements strict and probabilistic only")
+        t = _sample_positions(target_probs, uniforms.sample)  # [B, K+1]; greedy rows: argmax
+        return _chain(t, uniforms.accept < rate, draft_token_ids, num_draft_tokens)
+
+    if use_kernel is None:
+        use_kernel = target_probs.is_cuda and _triton_available()
+    if use_kernel:
+        from specserve.kernels.rejection_kernel import rejection_sample_triton
+
+        out_ids, num_accepted = rejection_sample_triton(
+            target_probs, draft_token_ids, num_draft_tokens, draft_probs,
+            uniforms.accept, uniforms.sample, method,
+        )
+        return RejectionOutput(output_token_ids=out_ids, num_accepted=num_accepted)
+    if method == "strict":
+        t = _sample_positions(target_probs, uniforms.sample)  # [B, K+1]
+        K = draft_token_ids.shape[1]
+        return _chain(t, t[:, :K] == draft_token_ids, draft_token_ids, num_draft_tokens)
+    return _probabilistic(target_probs, draft_token_ids, num_draft_tokens, draft_probs, uniforms)
+
+
+def _verify_tokens(target_probs, target_tokens, draft_token_ids, num_draft_tokens, uniforms, method, rate,
+                   use_kernel, validate) -> RejectionOutput:
+    """Verification against the target's tokens already chosen (no probabilities)."""
+    if target_probs is not None:
+        raise ValueError("target_tokens: give target_probs or target_tokens, not both")
+    if method == "probabilistic":
+        raise ValueError("method: probabilistic verification needs target_probs, not target_tokens")
+    if use_kernel:
+        raise ValueError("use_kernel: the Triton kernel verifies target_probs, not target_tokens")
+    if validate:
+        B, K = _check_inputs(None, draft_token_ids, num_draft_tokens, None)
+        if target_tokens.shape != (B, K + 1) or target_tokens.dtype != torch.int64:
+            raise ValueError(f"target_tokens: expected [{B}, {K + 1}] int64, "
+                             f"got {tuple(target_tokens.shape)} {target_tokens.dtype}")
+        if method == "synthetic":
+            if uniforms is None:
+                raise ValueError("uniforms: required with method 'synthetic'")
+            _check_uniforms(uniforms, B, K, draft_token_ids.device)
+    K = draft_token_ids.shape[1]
+    accepted = uniforms.accept < rate if method == "synthetic" else target_tokens[:, :K] == draft_token_ids
+    return _chain(target_tokens, accepted, draft_token_ids, num_draft_tokens)
+
 
 def _check_inputs(
     target_probs: Tensor | None,
@@ -83,6 +191,7 @@ def _check_inputs(
     draft_probs: Tensor | None,
     target_name: str = "target_probs",
 ) -> tuple[int, int]:
+
     if draft_token_ids.dim() != 2 or draft_token_ids.dtype != torch.int64:
         raise ValueError(
             f"draft_token_ids: expected [B, K] int64, got {tuple(draft_token_ids.shape)} {draft_token_ids.dtype}"
@@ -127,6 +236,16 @@ def _check_uniforms(uniforms: RejectionUniforms, B: int, K: int, device: torch.d
             )
 
 
+def _chain(t: Tensor, accepted: Tensor, draft_token_ids: Tensor, num_draft_tokens: Tensor) -> RejectionOutput:
+    """The accepted prefix of each chain, then the target's token at the first position
+    not accepted.  t: [B, K+1] the target's token at each position; accepted: [B, K]
+    bool per position (only the prefix within num_draft_tokens counts)."""
+    num_accepted = _chain_accepted(accepted, num_draft_tokens)  # [B]
+    emit = t.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+    K = draft_token_ids.shape[1]
+    return _finish(emit, t[:, K:], draft_token_ids, num_accepted)
+
+
 def _finish(emit_at: Tensor, tail: Tensor, draft_token_ids: Tensor, num_accepted: Tensor) -> RejectionOutput:
     # emit_at: [B] the token at position num_accepted; drafts before it; -1 after.
     B, K = draft_token_ids.shape
@@ -144,37 +263,10 @@ def _chain_accepted(accepted: Tensor, num_draft_tokens: Tensor) -> Tensor:
     return (accepted & valid).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def rejection_sample_greedy(
-    target_argmax: Tensor, draft_token_ids: Tensor, num_draft_tokens: Tensor
-) -> RejectionOutput:
-    """Greedy verification without probabilities: accept while d_i == argmax p_i.
-
-    target_argmax [B, K+1] int64.  The emitted tokens are exactly what plain
-    greedy decoding of the target would produce.
-    """
-    B, K = _check_inputs(None, draft_token_ids, num_draft_tokens, None)
-    if target_argmax.shape != (B, K + 1) or target_argmax.dtype != torch.int64:
-        raise ValueError(
-            f"target_argmax: expected [{B}, {K + 1}] int64, got {tuple(target_argmax.shape)} {target_argmax.dtype}"
-        )
-    num_accepted = _chain_accepted(target_argmax[:, :K] == draft_token_ids, num_draft_tokens)  # [B]
-    emit = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
-    return _finish(emit, target_argmax[:, K:], draft_token_ids, num_accepted)
-
-
 def _sample_positions(target_probs: Tensor, u_sample: Tensor) -> Tensor:
     # [B, K+1, V], [B, K+1] -> t [B, K+1] int64, t[b, i] ~ p_i by inverse CDF
     B, K1, V = target_probs.shape
     return sample_from_probs(target_probs.reshape(B * K1, V), u_sample.reshape(B * K1)).view(B, K1)
-
-
-def _strict(target_probs: Tensor, draft_token_ids: Tensor, num_draft_tokens: Tensor,
-            uniforms: RejectionUniforms) -> RejectionOutput:
-    t = _sample_positions(target_probs, uniforms.sample)  # [B, K+1]
-    K = draft_token_ids.shape[1]
-    num_accepted = _chain_accepted(t[:, :K] == draft_token_ids, num_draft_tokens)
-    emit = t.gather(1, num_accepted[:, None]).squeeze(1)
-    return _finish(emit, t[:, K:], draft_token_ids, num_accepted)
 
 
 def _probabilistic(target_probs: Tensor, draft_token_ids: Tensor, num_draft_tokens: Tensor,
@@ -203,81 +295,6 @@ def _probabilistic(target_probs: Tensor, draft_token_ids: Tensor, num_draft_toke
         p = torch.where(has_mass, residual, p)
     emit = sample_from_probs(p, uniforms.sample[rows, pos])  # [B]
     return _finish(emit, emit[:, None], draft_token_ids, num_accepted)
-
-
-def _synthetic(target_probs: Tensor, draft_token_ids: Tensor, num_draft_tokens: Tensor,
-               uniforms: RejectionUniforms, rate: float) -> RejectionOutput:
-    t = _sample_positions(target_probs, uniforms.sample)  # [B, K+1]; greedy rows: argmax
-    num_accepted = _chain_accepted(uniforms.accept < rate, num_draft_tokens)
-    emit = t.gather(1, num_accepted[:, None]).squeeze(1)
-    K = draft_token_ids.shape[1]
-    return _finish(emit, t[:, K:], draft_token_ids, num_accepted)
-
-
-def rejection_sample(
-    target_probs: Tensor,
-    draft_token_ids: Tensor,
-    num_draft_tokens: Tensor,
-    draft_probs: Tensor | None,
-    uniforms: RejectionUniforms,
-    method: str,
-    synthetic_acceptance_rate: float | None = None,
-    use_kernel: bool | None = None,
-) -> RejectionOutput:
-    """Verify drafts against the target; see the module docstring for the methods.
-
-    Args:
-        target_probs: [B, K+1, V] float32, processed (temperature/top-k/top-p/min-p);
-            greedy rows one-hot.  Row b is read at positions 0..num_draft_tokens[b].
-        draft_token_ids: [B, K] int64, -1 beyond num_draft_tokens[b].
-        num_draft_tokens: [B] int64 in 0..K.
-        draft_probs: [B, K, V] float32, or None for drafters without distributions
-            (n-gram, suffix, greedy drafters): q is then one-hot at the draft.
-        uniforms: from :meth:`RejectionUniforms.draw`.
-        method: "strict", "probabilistic" or "synthetic".
-        synthetic_acceptance_rate: in [0, 1], required with (and only with) "synthetic".
-            Synthetic acceptance is NOT lossless: it accepts drafts with a fixed
-            probability regardless of the target and exists to benchmark the
-            engine at a chosen acceptance rate.  Its emitted non-draft tokens are
-            target samples (argmax for greedy rows).
-        use_kernel: None = the Triton kernel when the tensors are on CUDA and
-            triton is importable (strict/probabilistic); True forces it (on CPU it
-            runs under Triton's interpreter); False forces the torch reference.
-
-    Returns:
-        RejectionOutput; row b emits output_token_ids[b, :num_accepted[b] + 1].
-    """
-    if method not in REJECTION_METHODS:
-        raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
-    if method == "synthetic":
-        rate = synthetic_acceptance_rate
-        if rate is None or not 0.0 <= rate <= 1.0:
-            raise ValueError(f"synthetic_acceptance_rate: must be in [0, 1] with method 'synthetic', got {rate}")
-    elif synthetic_acceptance_rate is not None:
-        raise ValueError(f"synthetic_acceptance_rate: only valid with method 'synthetic', not {method!r}")
-    if target_probs.dtype != torch.float32:
-        raise ValueError(f"target_probs: expected float32, got {target_probs.dtype}")
-    B, K = _check_inputs(target_probs, draft_token_ids, num_draft_tokens, draft_probs)
-    _check_uniforms(uniforms, B, K, draft_token_ids.device)
-
-    if method == "synthetic":
-        if use_kernel:
-            raise ValueError("use_kernel: the Triton kernel implements strict and probabilistic only")
-        return _synthetic(target_probs, draft_token_ids, num_draft_tokens, uniforms, synthetic_acceptance_rate)
-
-    if use_kernel is None:
-        use_kernel = target_probs.is_cuda and _triton_available()
-    if use_kernel:
-        from specserve.kernels.rejection_kernel import rejection_sample_triton
-
-        out_ids, num_accepted = rejection_sample_triton(
-            target_probs, draft_token_ids, num_draft_tokens, draft_probs,
-            uniforms.accept, uniforms.sample, method,
-        )
-        return RejectionOutput(output_token_ids=out_ids, num_accepted=num_accepted)
-    if method == "strict":
-        return _strict(target_probs, draft_token_ids, num_draft_tokens, uniforms)
-    return _probabilistic(target_probs, draft_token_ids, num_draft_tokens, draft_probs, uniforms)
 
 
 def _triton_available() -> bool:

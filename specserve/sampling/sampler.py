@@ -20,18 +20,17 @@ device, shape-static and free of host synchronisation:
 3. uniforms, keyed by output position (:func:`keyed_uniforms`): the inverse-CDF
    draws ``u(seed, position + j, SAMPLE)`` for j = 0..K and the accept tests
    ``u(seed, position + j, ACCEPT)`` for j < K (:class:`RejectionUniforms`);
-4. verification exactly as :mod:`specserve.sampling.rejection` defines strict,
-   probabilistic and synthetic (its torch functions, or on CUDA the Triton
-   kernel of :mod:`specserve.kernels.rejection_kernel` for strict/probabilistic).
-   When every row is greedy (and the method is not synthetic) the probabilities
-   are skipped: tokens are ``argmax`` and drafts are accepted while they match,
-   which is :func:`rejection_sample_greedy`.  Under ``probabilistic``, rows whose
+4. verification by :func:`specserve.sampling.rejection.verify_chain`, the one
+   verification API (its torch reference, or on CUDA the Triton kernel of
+   :mod:`specserve.kernels.rejection_kernel` for strict/probabilistic).  When every
+   row is greedy (and the method is not synthetic) the probabilities are skipped:
+   the target's tokens are ``argmax`` and drafts are accepted while they match
+   (``verify_chain(target_tokens=...)``).  Under ``probabilistic``, rows whose
    drafts carry no distribution (n-gram, suffix, predictions, argmax drafters)
    are verified strictly: see below.
 
-Given the same uniforms, the tokens are those of today's path
-(``logits_to_probs`` + ``rejection_sample`` / ``rejection_sample_greedy``) for
-each request; the tests check it case by case.
+The tests feed ``verify_chain`` the probabilities of ``logits_to_probs`` and the same
+keyed uniforms, request by request, and check the tokens are the same.
 
 Random numbers: keyed, never consumed
 -------------------------------------
@@ -93,12 +92,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-import specserve.sampling.rejection as _rejection
+import specserve.sampling.rejection as rejection
 from specserve.executor.staging import StagingBuffer, Transfer
+from specserve.methods import REJECTION_METHODS
 from specserve.request import GREEDY_EPS
-from specserve.sampling.philox import ACCEPT, SAMPLE, keyed_uniforms, seed_to_int64
 from specserve.sampling.filters import SamplingTensors, logits_to_probs
-from specserve.sampling.rejection import REJECTION_METHODS, RejectionUniforms
+from specserve.sampling.philox import ACCEPT, SAMPLE, keyed_uniforms, seed_to_int64
+from specserve.sampling.rejection import RejectionUniforms
 
 __all__ = [
     "DeviceSampler",
@@ -336,54 +336,30 @@ def verify_step(
     elif use_kernel and method == "synthetic":
         raise ValueError("use_kernel: the Triton kernel implements strict and probabilistic only")
     flags = req.flags
+    q = draft_probs if method == "probabilistic" else None
 
-    if flags.all_greedy and method != "synthetic":
-        # rejection_sample_greedy: accept while d_i == argmax p_i (no probabilities, no randomness)
+    if flags.all_greedy:
+        # the target's tokens are the argmax: no probabilities; randomness only for synthetic
         t = logits.argmax(dim=-1)[row_index]  # (B, K+1)
-        num_accepted = _rejection._chain_accepted(t[:, :K] == draft_ids, num_drafts)  # (B,)
-        emit = t.gather(1, num_accepted[:, None]).squeeze(1)  # (B,)
-        return _pack(_rejection._finish(emit, t[:, K:], draft_ids, num_accepted))
+        uniforms = step_uniforms(req.seed, req.position, K) if method == "synthetic" else None
+        return rejection.verify_chain(None, draft_ids, num_drafts, None, uniforms,
+                                      "synthetic" if method == "synthetic" else "strict", rate,
+                                      target_tokens=t, use_kernel=False, validate=False).packed()
 
     uniforms = step_uniforms(req.seed, req.position, K)  # (B, K) accept tests, (B, K+1) draws
-    if flags.all_greedy:  # synthetic on greedy rows: argmax targets, accept iff u < rate
-        t = logits.argmax(dim=-1)[row_index]  # (B, K+1)
-        num_accepted = _rejection._chain_accepted(uniforms.accept < rate, num_drafts)
-        emit = t.gather(1, num_accepted[:, None]).squeeze(1)
-        return _pack(_rejection._finish(emit, t[:, K:], draft_ids, num_accepted))
-
     rows = logits[row_index].reshape(B * (K + 1), V)  # (B*(K+1), V): request-major, position-minor
     probs = process_logits(
         rows, _rows(req.temperature, K + 1), _rows(req.top_k, K + 1), _rows(req.top_p, K + 1),
         _rows(req.min_p, K + 1), flags,
     ).view(B, K + 1, V)  # (B, K+1, V)
-    if method == "synthetic":
-        return _pack(_rejection._synthetic(probs, draft_ids, num_drafts, uniforms, rate))
-    packed = _verify(probs, draft_ids, num_drafts, draft_probs if method == "probabilistic" else None, uniforms,
-                     method, use_kernel)
+    packed = rejection.verify_chain(probs, draft_ids, num_drafts, q, uniforms, method, rate,
+                                    use_kernel=use_kernel, validate=False).packed()
     if method == "probabilistic" and draft_has_q is not None:
         # rows without a q: strict, so their tokens are the seed's plain-decoding tokens
-        strict = _verify(probs, draft_ids, num_drafts, None, uniforms, "strict", use_kernel)
+        strict = rejection.verify_chain(probs, draft_ids, num_drafts, None, uniforms, "strict",
+                                        use_kernel=use_kernel, validate=False).packed()
         packed = torch.where(draft_has_q[:, None], packed, strict)
     return packed
-
-
-def _verify(probs: Tensor, draft_ids: Tensor, num_drafts: Tensor, q: Tensor | None, uniforms: RejectionUniforms,
-            method: str, use_kernel: bool) -> Tensor:
-    """Strict or probabilistic verification of processed probabilities, packed (B, K+2)."""
-    if use_kernel:
-        from specserve.kernels.rejection_kernel import rejection_sample_triton
-
-        ids, num_accepted = rejection_sample_triton(
-            probs, draft_ids, num_drafts, q, uniforms.accept, uniforms.sample, method
-        )
-        return torch.cat([ids, num_accepted[:, None]], dim=1)
-    if method == "strict":
-        return _pack(_rejection._strict(probs, draft_ids, num_drafts, uniforms))
-    return _pack(_rejection._probabilistic(probs, draft_ids, num_drafts, q, uniforms))
-
-
-def _pack(out: _rejection.RejectionOutput) -> Tensor:
-    return torch.cat([out.output_token_ids, out.num_accepted[:, None]], dim=1)  # (B, K+2)
 
 
 def unpack(packed_host: Tensor | Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
@@ -426,7 +402,8 @@ class DeviceSampler:
 
     Args:
         max_num_seqs: rows the buffers hold (the scheduler's max batch).
-        num_speculative_tokens: K, fixed for the sampler's life (0 = plain decoding).
+        num_spec_tokens: K, the most drafts a request verifies per step, fixed for the sampler's
+            life (0 = plain decoding).
         device: where the step runs.
         method, synthetic_acceptance_rate: the verification method (see :func:`verify_step`).
         vocab_size: when given, ``prepare`` checks draft ids against it.
@@ -438,7 +415,7 @@ class DeviceSampler:
     def __init__(
         self,
         max_num_seqs: int,
-        num_speculative_tokens: int,
+        num_spec_tokens: int,
         device: torch.device | str = "cpu",
         method: str = "strict",
         synthetic_acceptance_rate: float | None = None,
@@ -448,12 +425,12 @@ class DeviceSampler:
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
-        if num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens: must be >= 0, got {num_speculative_tokens}")
+        if num_spec_tokens < 0:
+            raise ValueError(f"num_spec_tokens: must be >= 0, got {num_spec_tokens}")
         if method not in REJECTION_METHODS:
             raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
         self.max_num_seqs = N = max_num_seqs
-        self.K = K = num_speculative_tokens
+        self.num_spec_tokens = K = num_spec_tokens
         self.device = torch.device(device)
         self.method = method
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
@@ -512,8 +489,8 @@ class DeviceSampler:
         if len(drafts) != B:
             raise ValueError(f"drafts: expected {B} lists (one per row), got {len(drafts)}")
         lens = [len(d) for d in drafts]
-        if any(n > self.K for n in lens):
-            raise ValueError(f"drafts: at most K={self.K} per request, got lengths {lens}")
+        if any(n > self.num_spec_tokens for n in lens):
+            raise ValueError(f"drafts: at most K={self.num_spec_tokens} per request, got lengths {lens}")
         V = self.vocab_size
         if any(not 0 <= t < (V if V is not None else 2**63) for d in drafts for t in d):
             raise ValueError(f"drafts: token ids must be in [0, {V}), got {[list(d) for d in drafts]}")
@@ -534,10 +511,10 @@ class DeviceSampler:
         h["seed"][:B] = seeds64
         # A step without any draft verifies position 0 only (1/(K+1) of the work for sampled
         # rows): the same token, as it reads the same keyed number.
-        plain = self.K > 0 and not any(lens)
+        plain = self.num_spec_tokens > 0 and not any(lens)
         h["position"][:B] = pos
         h["num_drafts"][:B] = lens
-        j = np.arange(self.K + 1)[None, :]  # (1, K+1)
+        j = np.arange(self.num_spec_tokens + 1)[None, :]  # (1, K+1)
         h["row_index"][:B] = np.asarray(rows, dtype=np.int64)[:, None] + np.minimum(j, np.asarray(lens)[:, None])
         ids = h["draft_ids"]
         ids[:B] = -1
@@ -575,7 +552,7 @@ class DeviceSampler:
         B, W = packed.shape
         if B > self.max_num_seqs:
             raise ValueError(f"packed: {tuple(packed.shape)} does not fit the host buffer "
-                             f"({self.max_num_seqs} x {self.K + 2})")
+                             f"({self.max_num_seqs} x {self.num_spec_tokens + 2})")
         if B * W > self._out_host.numel():  # wider rows (log-probabilities riding along): grow once
             self._out_host = torch.empty(self.max_num_seqs * W, dtype=torch.int64,
                                          pin_memory=self._out_host.is_pinned())  # fmt: skip

@@ -12,8 +12,17 @@ def seq(rid: str, n: int, max_tokens: int = 8) -> Sequence:
     return Sequence(rid, list(range(5, 5 + n)), SamplingParams(max_tokens=max_tokens))
 
 
+class Pending(dict):
+    """The drafts waiting per request id, counted for the scheduler as the engine's RequestTable does."""
+
+    def __call__(self, s: Sequence) -> int:
+        return len(self.get(s.request_id, []))
+
+
 def test_prefill_then_decode_reserves_draft_room():
-    s = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64, num_lookahead=3, max_model_len=64)
+    drafts = Pending()
+    s = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64, num_spec_tokens=3, max_model_len=64,
+                  pending_drafts=drafts)
     a = seq("a", 6)
     s.add(a)
     out = s.schedule()
@@ -21,35 +30,37 @@ def test_prefill_then_decode_reserves_draft_room():
     assert item.num_new_tokens == 6 and item.sample and item.draft_room == 0
     s.commit(a, 6)
     a.token_ids.append(9)  # the sampled token is pending ...
-    a.draft_token_ids = [1, 2, 3, 4]  # ... with the drafts proposed after verification
+    drafts["a"] = [1, 2, 3, 4]  # ... with the drafts proposed after verification
     (item,) = s.schedule().scheduled
     assert item.num_new_tokens == 1 and item.draft_room == 3  # at most K
     assert len(a.block_table) == 3  # 7 tokens + 3 drafts = 10 positions
 
 
 def test_no_pending_drafts_no_draft_room():
-    s = Scheduler(BlockManager(16, 4), 4, 64, num_lookahead=3, max_model_len=64)
+    drafts = Pending()
+    s = Scheduler(BlockManager(16, 4), 4, 64, num_spec_tokens=3, max_model_len=64, pending_drafts=drafts)
     a = seq("a", 6)
     s.add(a)
     s.schedule()
     s.commit(a, 6)
     a.token_ids.append(9)
-    a.draft_token_ids = [1]
+    drafts["a"] = [1]
     (item,) = s.schedule().scheduled
     assert item.draft_room == 1 and len(a.block_table) == 2  # 7 tokens + 1 draft
-    a.draft_token_ids = []
+    drafts["a"] = []
     (item,) = s.schedule().scheduled
     assert item.draft_room == 0
 
 
 def test_draft_room_respects_max_model_len_not_max_tokens():
-    s = Scheduler(BlockManager(16, 4), 4, 64, num_lookahead=5, max_model_len=10)
+    drafts = Pending()
+    s = Scheduler(BlockManager(16, 4), 4, 64, num_spec_tokens=5, max_model_len=10, pending_drafts=drafts)
     a = seq("a", 7, max_tokens=1)
     s.add(a)
     s.schedule()
     s.commit(a, 7)
     a.token_ids.append(9)
-    a.draft_token_ids = [1, 2, 3, 4, 5]
+    drafts["a"] = [1, 2, 3, 4, 5]
     (item,) = s.schedule().scheduled
     assert item.draft_room == 1  # max_model_len 10: 8 tokens + 1 draft + 1 emitted
     b = seq("b", 3, max_tokens=1)
@@ -57,13 +68,13 @@ def test_draft_room_respects_max_model_len_not_max_tokens():
     s.schedule()
     s.commit(b, 3)
     b.token_ids.append(9)
-    b.draft_token_ids = [1, 2, 3, 4, 5]
+    drafts["b"] = [1, 2, 3, 4, 5]
     items = {i.seq.request_id: i for i in s.schedule().scheduled}
     assert items["b"].draft_room == 5  # a full round even though max_tokens is reached
 
 
 def test_token_budget_chunks_prefill():
-    s = Scheduler(BlockManager(16, 4), 4, max_num_batched_tokens=5, num_lookahead=0, max_model_len=64)
+    s = Scheduler(BlockManager(16, 4), 4, max_num_batched_tokens=5, num_spec_tokens=0, max_model_len=64)
     a = seq("a", 12)
     s.add(a)
     (item,) = s.schedule().scheduled
@@ -72,7 +83,7 @@ def test_token_budget_chunks_prefill():
 
 def test_waiting_when_blocks_run_out_and_preemption_frees_everything():
     bm = BlockManager(4, 4)
-    s = Scheduler(bm, 4, 64, num_lookahead=0, max_model_len=64)
+    s = Scheduler(bm, 4, 64, num_spec_tokens=0, max_model_len=64)
     a, b = seq("a", 8), seq("b", 8)
     s.add(a)
     s.add(b)
@@ -106,7 +117,7 @@ def _step(s: Scheduler, drafts: dict[str, list[int]] | None = None) -> dict[str,
         ran[a.request_id] = item.num_new_tokens
         if item.sample:
             a.token_ids.append(9)
-            a.draft_token_ids = list((drafts or {}).get(a.request_id, []))
+            s.pending_drafts[a.request_id] = list((drafts or {}).get(a.request_id, []))
             if a.num_output_tokens >= a.params.max_tokens:
                 s.remove(a)
                 a.status = Status.FINISHED
@@ -115,7 +126,8 @@ def _step(s: Scheduler, drafts: dict[str, list[int]] | None = None) -> dict[str,
 
 def _fair(threshold: int | None = None, budget: int = 64, max_num_seqs: int = 8, k: int = 0) -> Scheduler:
     kw = {} if threshold is None else {"long_prefill_token_threshold": threshold}
-    return Scheduler(BlockManager(128, 16), max_num_seqs, budget, num_lookahead=k, max_model_len=2048, **kw)
+    return Scheduler(BlockManager(128, 16), max_num_seqs, budget, num_spec_tokens=k, max_model_len=2048,
+                     pending_drafts=Pending(), **kw)
 
 
 def test_a_short_request_starts_in_the_step_after_it_arrives_next_to_a_long_prefill():

@@ -6,7 +6,8 @@ import logging
 
 import pytest
 
-from specserve.engine.spec_control import SpecController, bucket_of
+from specserve.engine.spec_control import SpecController
+from specserve.executor.batch import batch_bucket as bucket_of
 
 
 def test_fixed_mode_always_k():
@@ -146,3 +147,40 @@ def test_changes_of_k_reach_info_at_most_once_per_interval_and_the_rest_is_debug
     assert info()[1:] == ["speculation: 4 drafts per step at batch 1 (was 0; 41 changes since the last report)"]
     assert steps(winning, 50, 0.2) == [4] * 50 and len(info()) == 2  # no change: nothing more
     assert all(r.levelno in (logging.DEBUG, logging.INFO) for r in caplog.records)
+
+
+def test_batch_buckets_and_the_bucket_of_a_batch_are_one_definition():
+    from specserve.executor.batch import batch_buckets
+
+    for max_num_seqs in (1, 6, 8, 48):
+        buckets = batch_buckets(max_num_seqs)
+        for n in range(1, max_num_seqs + 1):
+            assert bucket_of(n, max_num_seqs) == min(b for b in buckets if b >= n)
+
+
+def test_adaptive_k_finds_the_graph_timings_when_max_num_seqs_is_not_a_power_of_two():
+    """max_num_seqs=6: graphs are captured for batches 1, 2, 4 and 6.  A batch of 5 runs
+    the graph of 6, and its timings are what the choice reads (a power-of-two bucket, 8,
+    has none: speculation would be tried blind instead of turned off)."""
+    from specserve.executor.batch import batch_buckets
+
+    c = SpecController(4, adaptive=True, max_num_seqs=6, warmup_rounds=0.0)
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    # compute-bound at 5-6 requests: verifying q tokens costs q steps, so speculation loses
+    c.seed_costs({(b, q): 0.010 * (q if b > 4 else 1) for b in batch_buckets(6) for q in range(1, 6)})
+    c.reached, c.accepted = [100.0] * 4, [30.0] * 4
+    assert c.bucket(5) == 6 and c.bucket(6) == 6 and c.bucket(3) == 4
+    assert c.choose(5) == 0 and c.choose(6) == 0  # the seeded timings of the graph of 6 say off
+    assert c.choose(4) == 4  # bucket 4 is memory-bound: speculate
+    c.observe_step(5, 1, 0.011, 0.0)  # a step of 5 updates the same costs the graph of 6 seeded
+    assert set(c.step_cost) == {(b, q) for b in batch_buckets(6) for q in range(1, 6)}
+
+
+def test_the_engine_buckets_batches_as_its_graphs_are_captured(tiny_llama):
+    from engine_utils import tiny_config
+    from specserve.engine.engine import LLMEngine
+
+    cfg = tiny_config(tiny_llama, "ngram", k=3, speculation="adaptive")
+    cfg.engine.max_num_seqs = 6
+    eng = LLMEngine(cfg)
+    assert eng.spec_control.adaptive and eng.spec_control.bucket(5) == 6

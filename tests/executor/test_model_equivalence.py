@@ -7,7 +7,8 @@ import torch
 
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import load_model
-from specserve.executor.runner import ModelRunner, SeqInput
+from specserve.executor.backends.torch_backend import TorchRunner
+from specserve.executor.batch import SeqInput
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -16,7 +17,7 @@ def _setup(path, num_blocks=64, block_size=4):
     lm = load_model(str(path), "float32", torch.device("cpu"))
     kv = KVCache(lm.arch.num_layers, num_blocks, block_size, lm.arch.num_kv_heads, lm.arch.head_dim,
                  torch.float32, torch.device("cpu"))
-    return lm, ModelRunner(lm, kv)
+    return lm, TorchRunner(lm, kv)
 
 
 def _rel_err(a, b):
@@ -86,7 +87,7 @@ def test_embedded_smollm2_matches_reference_float32():
     lm = load_model("embedded:smollm2-135m-instruct", "float32", torch.device("cpu"))
     assert (lm.arch.num_layers, lm.arch.hidden_size, lm.arch.vocab_size) == (30, 576, 49152)
     kv = KVCache(lm.arch.num_layers, 16, 16, lm.arch.num_kv_heads, lm.arch.head_dim, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(lm, kv)
+    runner = TorchRunner(lm, kv)
     ref = tf.AutoModelForCausalLM.from_pretrained(str(lm.hf_dir), dtype=torch.float32).eval()
     ids = lm.tokenizer("The quick brown fox jumps over the lazy dog because")["input_ids"]
     with torch.no_grad():

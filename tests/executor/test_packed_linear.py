@@ -27,14 +27,15 @@ def test_packed_linear_matches_f_linear_for_decode_batches(rows, bias):
 def test_prepacked_model_logits_match_unpacked(tiny_llama):
     from specserve.executor.kv_cache import KVCache
     from specserve.executor.loader import load_model
-    from specserve.executor.runner import ModelRunner, SeqInput
+    from specserve.executor.backends.torch_backend import TorchRunner
+    from specserve.executor.batch import SeqInput
 
     lm = load_model(str(tiny_llama), "bfloat16", torch.device("cpu"))
     ref = load_model(str(tiny_llama), "float32", torch.device("cpu"))
     outs = []
     for m in (lm, ref):
         kv = KVCache(m.arch.num_layers, 8, 4, m.arch.num_kv_heads, m.arch.head_dim, m.dtype, torch.device("cpu"))
-        runner = ModelRunner(m, kv, cpu_kernel="torch")  # the torch path pre-packs bf16 projections
+        runner = TorchRunner(m, kv)  # the torch path pre-packs bf16 projections
         outs.append(runner.forward([SeqInput(list(range(5, 17)), 0, [0, 1, 2], list(range(12)))]).logits)
     assert isinstance(lm.model.layers[0].qkv_proj, PackedLinear)
     a, b = outs

@@ -22,6 +22,7 @@ from engine_utils import greedy, random_prompts, run, tiny_config
 
 from specserve.engine.engine import LLMEngine
 from specserve.executor.staging import StagingBuffer, staging_bytes
+from specserve.executor.backends.cuda_graphs import CudaGraphRunner
 from specserve.executor.static_runner import StaticStepRunner
 from specserve.sampling.sampler import DeviceSampler
 
@@ -72,11 +73,10 @@ def _late_engine(model_dir, dev: DeferredDevice, chunk: int) -> LLMEngine:
     cfg = tiny_config(model_dir)
     cfg.engine.max_num_batched_tokens = chunk
     eng = LLMEngine(cfg)
-    eng.runner.static = StaticStepRunner(eng.target, eng.kv, max_num_seqs=cfg.engine.max_num_seqs,
-                                         max_num_tokens=chunk, attention_impl="torch", use_graphs=False,
-                                         transfer=dev)  # fmt: skip
-    eng.runner.fused = None
-    eng.sampler = DeviceSampler(cfg.engine.max_num_seqs, eng.k, "cpu", vocab_size=eng.target.arch.vocab_size,
+    eng.runner = CudaGraphRunner(StaticStepRunner(eng.target, eng.kv, max_num_seqs=cfg.engine.max_num_seqs,
+                                                  max_num_tokens=chunk, attention_impl="torch", use_graphs=False,
+                                                  transfer=dev))  # fmt: skip
+    eng.sampler = DeviceSampler(cfg.engine.max_num_seqs, eng.num_spec_tokens, "cpu", vocab_size=eng.target.arch.vocab_size,
                                 transfer=dev)  # fmt: skip
     return eng
 

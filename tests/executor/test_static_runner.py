@@ -21,7 +21,8 @@ from specserve.engine.engine import LLMEngine
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import load_model
-from specserve.executor.runner import ModelRunner
+from specserve.executor.backends.cuda_graphs import CudaGraphRunner
+from specserve.executor.backends.torch_backend import TorchRunner
 from specserve.executor.static_runner import StaticStepRunner, batch_buckets
 
 BS = 4
@@ -56,7 +57,7 @@ def steps():
 
 
 def test_static_runner_matches_the_eager_runner(model):
-    eager = ModelRunner(model, make_kv(model), cpu_kernel="torch")
+    eager = TorchRunner(model, make_kv(model))
     kv = make_kv(model)
     static = StaticStepRunner(model, kv, max_num_seqs=4, max_num_tokens=64, graph_query_lens=(1, 4),
                               attention_impl="torch", use_graphs=False)  # fmt: skip
@@ -137,10 +138,10 @@ def test_engine_with_padded_uniform_steps_is_lossless(tiny_llama, tiny_draft, me
     want = run(LLMEngine(tiny_config(tiny_llama)), prompts, params)
     cfg = tiny_config(tiny_llama, method, k=3, draft_dir=tiny_draft if method == "draft_model" else None)
     eng = LLMEngine(cfg)
-    eng.runner.static = StaticStepRunner(eng.target, eng.kv, max_num_seqs=cfg.engine.max_num_seqs,
-                                         max_num_tokens=cfg.engine.max_num_batched_tokens,
-                                         graph_query_lens=(1, 2, 3, 4), attention_impl="torch", use_graphs=False)  # fmt: skip
-    eng.runner.fused = None
+    eng.runner = CudaGraphRunner(StaticStepRunner(eng.target, eng.kv, max_num_seqs=cfg.engine.max_num_seqs,
+                                                  max_num_tokens=cfg.engine.max_num_batched_tokens,
+                                                  graph_query_lens=(1, 2, 3, 4), attention_impl="torch",
+                                                  use_graphs=False))  # fmt: skip
     eng.uniform_steps = True
     seen = []
     orig = eng.runner.static.run
@@ -164,10 +165,10 @@ def test_draft_model_loop_on_the_static_runner_feeds_tokens_on_the_device(tiny_l
     want = run(LLMEngine(tiny_config(tiny_llama)), prompts, params)
     eng = LLMEngine(tiny_config(tiny_llama, "draft_model", k=3, draft_dir=tiny_draft))
     prop = eng.proposer
-    prop.runner.static = StaticStepRunner(prop.runner.loaded, prop.runner.kv, max_num_seqs=8, max_num_tokens=32,
-                                          graph_query_lens=(1,), attention_impl="torch", use_graphs=False)  # fmt: skip
+    prop.runner = CudaGraphRunner(StaticStepRunner(prop.runner.loaded, prop.runner.kv, max_num_seqs=8,
+                                                   max_num_tokens=32, graph_query_lens=(1,), attention_impl="torch",
+                                                   use_graphs=False))  # fmt: skip
     prop.max_step_tokens = 32  # smaller than the prompts together: the catch-up runs in chunks
-    prop.runner.fused = None
     got = run(eng, prompts, params)
     assert got == want
     assert eng.blocks.num_free == eng.blocks.num_blocks

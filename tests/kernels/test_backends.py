@@ -26,6 +26,7 @@ import specserve.kernels.rejection_kernel as rk  # noqa: E402
 from specserve.config import ServerConfig, validate_config  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.errors import ConfigError  # noqa: E402
+from specserve.executor.backends.cuda_graphs import CudaGraphRunner  # noqa: E402
 from specserve.executor.static_runner import StaticStepRunner  # noqa: E402
 from specserve.kernels import backends, launches  # noqa: E402
 from specserve.kernels.paged_attention import interpreter_active  # noqa: E402
@@ -242,7 +243,7 @@ def test_a_failed_capture_leaves_that_key_eager(tiny_llama, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == ["CUDA graph capture failed for 1 of 12 (batch, q) keys [(4, 1)] (first: RuntimeError: CUDA "
                         "error: operation not permitted when stream is capturing); those steps run eagerly"]
-    eng.runner.static, eng.runner.fused, eng.uniform_steps = static, None, True
+    eng.runner, eng.uniform_steps = CudaGraphRunner(static), True
     keys = []
     orig = static.run
 

@@ -14,7 +14,8 @@ import torch
 from specserve.errors import ConfigError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import load_model
-from specserve.executor.runner import ModelRunner, SeqInput
+from specserve.executor.backends.factory import RunnerFactory
+from specserve.executor.batch import SeqInput
 from specserve.kernels.cpu_decoder import (
     KernelUnavailable,
     amx_usable,
@@ -50,7 +51,7 @@ def _runner(path, cpu_kernel, num_blocks=64, block_size=4, fused_max_tokens=None
     lm = load_model(str(path), "bfloat16", torch.device("cpu"))
     kv = KVCache(lm.arch.num_layers, num_blocks, block_size, lm.arch.num_kv_heads, lm.arch.head_dim,
                  torch.bfloat16, torch.device("cpu"))
-    return lm, ModelRunner(lm, kv, cpu_kernel=cpu_kernel, fused_max_tokens=fused_max_tokens, cache_dir=cache_dir)
+    return lm, RunnerFactory(cpu_kernel=cpu_kernel, fused_max_tokens=fused_max_tokens, cache_dir=cache_dir).runner(lm, kv)
 
 
 def _rel_err(a, b):
@@ -242,7 +243,7 @@ def test_bad_inputs_are_clear_errors(tiny_llama, kcache):
         lm = load_model(str(tiny_llama), "float32", torch.device("cpu"))
         kv = KVCache(lm.arch.num_layers, 8, 4, lm.arch.num_kv_heads, lm.arch.head_dim, torch.float32,
                      torch.device("cpu"))
-        ModelRunner(lm, kv, cpu_kernel="fused")
+        RunnerFactory(cpu_kernel="fused").runner(lm, kv)
 
 
 def _bf16_engine(model_dir, tmp_path, method=None, **kw):
@@ -349,7 +350,7 @@ def test_embedded_smollm2_bf16_on_the_fused_path(kcache):
     lm = load_model("embedded:smollm2-135m-instruct", "bfloat16", torch.device("cpu"))
     kv = KVCache(lm.arch.num_layers, 16, 16, lm.arch.num_kv_heads, lm.arch.head_dim, torch.bfloat16,
                  torch.device("cpu"))
-    runner = ModelRunner(lm, kv, cpu_kernel="fused", cache_dir=kcache)
+    runner = RunnerFactory(cpu_kernel="fused", cache_dir=kcache).runner(lm, kv)
     ids = lm.tokenizer("The quick brown fox jumps over the lazy dog because it wanted to")["input_ids"]
     n = len(ids)
     ref = tf.AutoModelForCausalLM.from_pretrained(str(lm.hf_dir), dtype=torch.float32).eval()

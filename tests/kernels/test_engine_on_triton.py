@@ -12,6 +12,7 @@ from engine_utils import greedy, random_prompts, run, tiny_config
 pytest.importorskip("triton")
 
 from specserve.engine.engine import LLMEngine  # noqa: E402
+from specserve.executor.backends.cuda_graphs import CudaGraphRunner  # noqa: E402
 from specserve.executor.static_runner import StaticStepRunner  # noqa: E402
 from specserve.kernels.paged_attention import interpreter_active  # noqa: E402
 
@@ -28,9 +29,9 @@ def test_engine_with_triton_attention_matches_plain_decoding(tiny_llama):
     want = run(LLMEngine(tiny_config(tiny_llama)), prompts, params)
     cfg = tiny_config(tiny_llama, "ngram", k=3)
     eng = LLMEngine(cfg)
-    eng.runner.static = StaticStepRunner(eng.target, eng.kv, max_num_seqs=4, max_num_tokens=64,
-                                         graph_query_lens=(1, 2, 3, 4), attention_impl="triton", use_graphs=False)  # fmt: skip
-    eng.runner.fused = None
+    eng.runner = CudaGraphRunner(StaticStepRunner(eng.target, eng.kv, max_num_seqs=4, max_num_tokens=64,
+                                                  graph_query_lens=(1, 2, 3, 4), attention_impl="triton",
+                                                  use_graphs=False))  # fmt: skip
     eng.uniform_steps = True
     assert run(eng, prompts, params) == want
     assert eng.blocks.num_free == eng.blocks.num_blocks

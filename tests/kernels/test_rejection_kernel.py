@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from specserve.kernels.rejection_kernel import interpreter_active, rejection_sample_triton  # noqa: E402
-from specserve.sampling import RejectionUniforms, rejection_sample, sample_from_probs  # noqa: E402
+from specserve.sampling import RejectionUniforms, sample_from_probs, step_uniforms, verify_chain  # noqa: E402
 
 INTERPRETED = interpreter_active()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
@@ -82,7 +82,7 @@ CASES = [  # (seed, B, K, V, block_v): V not a multiple of BLOCK_V, one block, e
 def test_kernel_matches_the_torch_reference(seed, B, K, V, block_v, method, with_draft_probs):
     target, drafts, n, q, u = make_case(seed, B, K, V)
     q = q if with_draft_probs else None
-    ref = rejection_sample(target, drafts, n, q, u, method, use_kernel=False)
+    ref = verify_chain(target, drafts, n, q, u, method, use_kernel=False)
     ids, num_accepted = rejection_sample_triton(target, drafts, n, q, u.accept, u.sample, method, block_v=block_v)
     assert ids.tolist() == ref.output_token_ids.tolist()
     assert num_accepted.tolist() == ref.num_accepted.tolist()
@@ -99,9 +99,9 @@ def test_dispatch_with_use_kernel_and_no_drafts(method):
     target = target[:, :1].contiguous()  # K = 0: every row samples the bonus
     drafts = torch.empty(8, 0, dtype=torch.int64, device=DEVICE)
     n = torch.zeros(8, dtype=torch.int64, device=DEVICE)
-    u = RejectionUniforms.draw([torch.Generator().manual_seed(s) for s in range(8)], 0, DEVICE)
-    ref = rejection_sample(target, drafts, n, None, u, method, use_kernel=False)
-    out = rejection_sample(target, drafts, n, None, u, method, use_kernel=True)
+    u = step_uniforms(torch.arange(8, device=DEVICE), torch.zeros(8, dtype=torch.int64, device=DEVICE), 0)
+    ref = verify_chain(target, drafts, n, None, u, method, use_kernel=False)
+    out = verify_chain(target, drafts, n, None, u, method, use_kernel=True)
     assert out.output_token_ids.tolist() == ref.output_token_ids.tolist()
     assert out.num_accepted.tolist() == [0] * 8
 
@@ -118,11 +118,11 @@ def test_use_kernel_routes_to_the_kernel(monkeypatch):
     monkeypatch.setattr(rk, "rejection_sample_triton", spy)
     args = (torch.full((1, 2, 4), 0.25), torch.tensor([[1]]), torch.tensor([1]), None,
             RejectionUniforms(torch.zeros(1, 1), torch.zeros(1, 2)))
-    rejection_sample(*args, "probabilistic", use_kernel=True)
-    rejection_sample(*args, "strict")  # CPU tensors: the torch path by default
+    verify_chain(*args, "probabilistic", use_kernel=True)
+    verify_chain(*args, "strict")  # CPU tensors: the torch path by default
     assert calls == ["probabilistic"]
     with pytest.raises(ValueError, match="use_kernel"):
-        rejection_sample(*args, "synthetic", 0.5, use_kernel=True)
+        verify_chain(*args, "synthetic", 0.5, use_kernel=True)
 
 
 def test_wrapper_errors_name_the_argument(monkeypatch):

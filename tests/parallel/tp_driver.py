@@ -26,7 +26,7 @@ from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.executor.batch import SeqInput  # noqa: E402
 from specserve.executor.kv_cache import KVCache  # noqa: E402
 from specserve.executor.loader import load_model  # noqa: E402
-from specserve.executor.runner import ModelRunner  # noqa: E402
+from specserve.executor.backends.factory import RunnerFactory  # noqa: E402
 
 
 def tp_config(model_dir, tp: int, **kw):
@@ -49,7 +49,8 @@ def logits_case(model_dir: str) -> dict:
     runners = []
     for m in (one, two):
         a = m.arch
-        runners.append(ModelRunner(m, KVCache(a.num_layers, nb, bs, a.num_kv_heads, a.head_dim, m.dtype, m.device)))
+        kv = KVCache(a.num_layers, nb, bs, a.num_kv_heads, a.head_dim, m.dtype, m.device)
+        runners.append(RunnerFactory(cpu_kernel="torch").runner(m, kv))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 12, 3)]
     tables = [[0, 1, 2, 3], [8, 9, 10, 11, 12], [20, 21]]

@@ -25,8 +25,9 @@ from eagle_heads import make_bigram_target, write_head  # noqa: E402
 from engine_utils import greedy, plain_outputs, random_prompts, tiny_config  # noqa: E402
 from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
 from specserve.engine.engine import LLMEngine  # noqa: E402
+from specserve.executor.backends.cuda_graphs import CudaGraphRunner  # noqa: E402
+from specserve.executor.backends.head_graphs import HeadDraftGraphs  # noqa: E402
 from specserve.executor.static_runner import StaticStepRunner  # noqa: E402
-from specserve.proposers.head_graphs import HeadDraftGraphs  # noqa: E402
 
 K = 4
 
@@ -49,11 +50,10 @@ def _draft_engine(tiny_llama, transfer: DeferredDevice | None) -> LLMEngine:
     # the target drafts for itself: drafts it accepts unless they were computed wrong
     eng = LLMEngine(tiny_config(tiny_llama, "draft_model", k=K, draft_dir=tiny_llama))
     prop = eng.proposer
-    prop.runner.static = StaticStepRunner(prop.runner.loaded, prop.runner.kv, max_num_seqs=8, max_num_tokens=16,
-                                          graph_query_lens=(1,), attention_impl="torch", use_graphs=False,
-                                          transfer=transfer)  # fmt: skip
+    prop.runner = CudaGraphRunner(StaticStepRunner(prop.runner.loaded, prop.runner.kv, max_num_seqs=8,
+                                                   max_num_tokens=16, graph_query_lens=(1,), attention_impl="torch",
+                                                   use_graphs=False, transfer=transfer))  # fmt: skip
     prop.max_step_tokens = 16  # smaller than the prompts together: the catch-up runs in chunks
-    prop.runner.fused = None
     return eng
 
 

@@ -1,4 +1,4 @@
-"""The EAGLE head's K draft steps over persistent buffers (``proposers.head_graphs``,
+"""The EAGLE head's K draft steps over persistent buffers (``executor.backends.head_graphs``,
 captured as CUDA graphs on CUDA), checked on the CPU with the paged kernel's torch twin:
 
 * an engine drafting through it gives exactly the drafts of the eager loop (same
@@ -23,6 +23,7 @@ from eagle_heads import make_bigram_target, write_head  # noqa: E402
 from engine_utils import greedy, random_prompts, tiny_config  # noqa: E402
 from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
 from specserve.engine.engine import LLMEngine  # noqa: E402
+from specserve.executor.backends.head_graphs import HeadDraftGraphs  # noqa: E402
 
 K = 4
 
@@ -54,8 +55,10 @@ def _engine(target, head, method, static: bool) -> LLMEngine:
     cfg.engine.max_num_seqs = 3  # 3 drafting rows: bucket 4 has a padding row
     cfg.model.max_model_len = 40  # sequences end at 40 tokens: the last rounds want fewer than K drafts
     eng = LLMEngine(cfg)
-    if static:
-        eng.proposer.enable_static(max_num_seqs=4, max_seq_len=eng.max_model_len, impl="torch", use_graphs=False)
+    if static:  # the head's persistent-buffer loop, run eagerly on the CPU
+        p = eng.proposer
+        p.static = HeadDraftGraphs(p.head, p.kv, block_size=p.block_size, trash_slot=p.trash_slot, k=K,
+                                   max_num_seqs=4, max_seq_len=eng.max_model_len, impl="torch", use_graphs=False)
     return eng
 
 

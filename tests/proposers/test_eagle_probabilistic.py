@@ -44,12 +44,12 @@ def _engine(setup, method="probabilistic", k=2) -> LLMEngine:
 def _exact_marginals(target, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """P(t2) and P(t3) of plain sampling after PROMPT (exact, by enumeration)."""
     from specserve.executor.kv_cache import KVCache
-    from specserve.executor.runner import ModelRunner
+    from specserve.executor.backends.torch_backend import TorchRunner
     from specserve.kv_blocks import BlockManager
 
     a = target.arch
     kv = KVCache(a.num_layers, 64, 4, a.num_kv_heads, a.head_dim, target.dtype, target.device)
-    runner, blocks = ModelRunner(target, kv), BlockManager(64, 4)
+    runner, blocks = TorchRunner(target, kv), BlockManager(64, 4)
 
     def dist(ids):
         table: list[int] = []

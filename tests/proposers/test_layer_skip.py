@@ -212,7 +212,8 @@ def test_bf16_calibration_on_the_fused_decoder_matches_torch(fused_lib, deep_lla
 
     from specserve.executor.batch import SeqInput, StepBatch
     from specserve.executor.kv_cache import KVCache
-    from specserve.executor.runner import ModelRunner
+    from specserve.executor.backends.factory import RunnerFactory
+    from specserve.executor.backends.torch_backend import TorchRunner
     from specserve.proposers.layer_skip import _fused_forward, skip_loaded
 
     target = load_model(str(deep_llama), "bfloat16", torch.device("cpu"))
@@ -221,10 +222,10 @@ def test_bf16_calibration_on_the_fused_decoder_matches_torch(fused_lib, deep_lla
     kv = KVCache(a.num_layers, len(seqs) * 2, block, a.num_kv_heads, a.head_dim, target.dtype, target.device)
     batch = StepBatch.from_inputs([SeqInput(list(s), 0, [2 * n, 2 * n + 1], list(range(len(s) - 1)))
                                    for n, s in enumerate(seqs)], block)
-    full = ModelRunner(skip_loaded(target, SkipModel(target.model)), kv, cpu_kernel="fused").fused
+    full = RunnerFactory(cpu_kernel="fused").runner(skip_loaded(target, SkipModel(target.model)), kv).fused
     fused = _fused_forward(target, full, kv, batch)
     model = SkipModel(target.model, compact=False)
-    meta, ids, pos = ModelRunner(skip_loaded(target, model), kv, cpu_kernel="torch")._metadata(batch)
+    meta, ids, pos = TorchRunner(skip_loaded(target, model), kv)._metadata(batch)
     for skip in [set(), {2}, {1, 4}]:
         pred, infl = fused(skip)
         model.set_skip(skip)
@@ -234,7 +235,7 @@ def test_bf16_calibration_on_the_fused_decoder_matches_torch(fused_lib, deep_lla
         assert [i for i, _ in infl] == [i for i, _ in ref_infl] == model.kept
         assert max(abs(x - y) for (_, x), (_, y) in zip(infl, ref_infl)) < 5e-3
         assert float((pred == ref).float().mean()) >= 0.9  # bf16 rounding may flip a near tie
-    skip, agreement = calibrate(target, seqs, 2, cpu_kernel="fused")
+    skip, agreement = calibrate(target, seqs, 2, runners=RunnerFactory(cpu_kernel="fused"))
     assert len(skip) == 2 and 0.0 <= agreement <= 1.0
 
 

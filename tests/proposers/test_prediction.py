@@ -197,7 +197,7 @@ def test_num_prediction_tokens_zero_ignores_predictions(tiny_llama, prompts, van
     outs = eng.generate(prompts[:2], [_params(v) for v in vanilla[:2]])
     assert [o.token_ids for o in outs] == vanilla[:2]
     assert all(o.spec.num_drafts == 0 for o in outs)
-    assert eng.k == 0
+    assert eng.num_spec_tokens == 0
 
 
 def test_bad_predictions_and_config_are_one_line(tiny_llama, prompts):

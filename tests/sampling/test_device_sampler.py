@@ -1,7 +1,7 @@
-"""The device sampler (specserve.sampling.sampler) against today's path, and its step contract.
+"""The device sampler (specserve.sampling.sampler) against the reference path, and its step contract.
 
-Today's path is what the engine's ``_verify_batch`` does: ``logits_to_probs`` on the gathered
-rows, then ``rejection_sample`` (or ``rejection_sample_greedy`` when every request is greedy).
+The reference path: ``logits_to_probs`` on the gathered rows, then ``verify_chain`` on the
+probabilities (or on the argmax tokens when every request is greedy).
 Fed the same keyed uniforms (``step_uniforms``), the device sampler must emit the same
 tokens and accepted counts (rows without a draft distribution verified strictly, as the
 engine verifies them); seeded requests must be unchanged by their batch neighbours; strict and
@@ -27,12 +27,11 @@ from specserve.sampling import (
     SamplingTensors,
     logits_to_probs,
     process_logits,
-    rejection_sample,
-    rejection_sample_greedy,
     sample_from_probs,
     seed_to_int64,
     step_uniforms,
     unpack,
+    verify_chain,
     verify_step,
 )
 
@@ -110,7 +109,7 @@ def device_result(case, method, with_q, flags=None, **kw):
 
 def todays_result(case, method, with_q, idx=None):
     """The reference path on requests ``idx`` (all by default), fed the same keyed uniforms:
-    probabilities, then ``rejection_sample``; probabilistic without q is strict verification."""
+    probabilities, then ``verify_chain``; probabilistic without q is strict verification."""
     idx = list(range(case.B)) if idx is None else idx
     K, V = case.K, case.V
     row_index, drafts, n = case.row_index[idx], case.drafts[idx], case.n[idx]
@@ -119,12 +118,12 @@ def todays_result(case, method, with_q, idx=None):
     u = step_uniforms(seeds, torch.tensor([case.positions[i] for i in idx]), K)
     temps = [case.temps[i] for i in idx]
     if all(t < 1e-5 for t in temps) and method != "synthetic":
-        out = rejection_sample_greedy(case.logits.argmax(dim=-1)[row_index], drafts, n)
+        out = verify_chain(None, drafts, n, target_tokens=case.logits.argmax(dim=-1)[row_index])
     else:
         st = SamplingTensors.build(temps, [case.top_ks[i] for i in idx], [case.top_ps[i] for i in idx],
                                    [case.min_ps[i] for i in idx]).repeat_interleave(K + 1)
         probs = logits_to_probs(case.logits[row_index].view(B * (K + 1), V), st).view(B, K + 1, V)
-        out = rejection_sample(
+        out = verify_chain(
             probs, drafts, n, case.draft_probs[idx] if with_q else None, u,
             "strict" if method == "probabilistic" and not with_q else method,
             0.6 if method == "synthetic" else None, use_kernel=False,
@@ -172,7 +171,7 @@ def test_matches_todays_batched_path(method, with_q, min_p):
 
 
 @pytest.mark.parametrize("method, with_q", METHODS)
-def test_all_greedy_batches_equal_rejection_sample_greedy(method, with_q):
+def test_all_greedy_batches_equal_greedy_verification(method, with_q):
     case = Case(3, B=9, K=3, V=41, all_greedy=True)
     assert case.requests().flags.all_greedy
     packed = device_result(case, method, with_q)
@@ -377,11 +376,11 @@ def test_the_sync_audit_catches_todays_cpu_checks(no_host_reads):
     u = RejectionUniforms(torch.rand(6, 2), torch.rand(6, 3))
     probs = torch.softmax(case.logits[case.row_index], -1)
     with pytest.raises(AssertionError, match="host synchronisation|Tensor\\."):
-        with SyncAudit():  # rejection_sample validates draft ids on the CPU by reading them
-            rejection_sample(probs, case.drafts, case.n, None, u, "strict")
+        with SyncAudit():  # verify_chain validates draft ids on the CPU by reading them
+            verify_chain(probs, case.drafts, case.n, None, u, "strict")
     with pytest.raises(AssertionError, match="Tensor.tolist"):
         no_host_reads()
-        RejectionUniforms.draw([torch.Generator().manual_seed(1)], 2).accept.tolist()
+        step_uniforms(torch.tensor([1]), torch.tensor([0]), 2).accept.tolist()
 
 
 @pytest.mark.parametrize("method, with_q", METHODS)

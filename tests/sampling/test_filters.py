@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from specserve.sampling import SamplingTensors, draw_uniforms, logits_to_probs, sample_from_probs
+from specserve.sampling import SamplingTensors, keyed_uniforms, logits_to_probs, random_seed, sample_from_probs
+from specserve.sampling.philox import SAMPLE
 
 
 def st_for(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -128,19 +129,26 @@ def test_sampling_follows_the_distribution():
     assert (freq - probs[0]).abs().max() < 0.01
 
 
+def keyed(seeds, num):
+    """Uniforms (len(seeds), num): request b's keyed numbers at output positions 0..num-1;
+    an unseeded request (None) has a key of its own, as the engine draws one at admission."""
+    keys = torch.tensor([random_seed() if s is None else s for s in seeds])
+    return keyed_uniforms(keys, torch.zeros(len(seeds), dtype=torch.int64), num, SAMPLE)
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch():
     probs = torch.softmax(torch.randn(3, 100, generator=torch.Generator().manual_seed(6)), dim=-1)
 
-    first = sample_from_probs(probs, draw_uniforms([torch.Generator().manual_seed(s) for s in (11, 12, 13)], 1)[:, 0])
-    again = sample_from_probs(probs, draw_uniforms([torch.Generator().manual_seed(s) for s in (11, 12, 13)], 1)[:, 0])
+    first = sample_from_probs(probs, keyed([11, 12, 13], 1)[:, 0])
+    again = sample_from_probs(probs, keyed([11, 12, 13], 1)[:, 0])
     assert first.tolist() == again.tolist()
     # request seeded 12 alone, in a batch with an unseeded request, gives the same token
-    alone = sample_from_probs(probs[1:2], draw_uniforms([torch.Generator().manual_seed(12)], 1)[:, 0])
-    mixed = draw_uniforms([None, torch.Generator().manual_seed(12)], 1)
+    alone = sample_from_probs(probs[1:2], keyed([12], 1)[:, 0])
+    mixed = keyed([None, 12], 1)
     assert alone.item() == first[1].item()
     assert sample_from_probs(probs[[0, 1]], mixed[:, 0])[1].item() == first[1].item()
-    other = draw_uniforms([torch.Generator().manual_seed(s) for s in (21, 22, 23)], 64)
-    assert not torch.equal(other, draw_uniforms([torch.Generator().manual_seed(s) for s in (11, 12, 13)], 64))
+    other = keyed([21, 22, 23], 64)
+    assert not torch.equal(other, keyed([11, 12, 13], 64))
 
 
 @pytest.mark.parametrize(

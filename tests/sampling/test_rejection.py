@@ -7,10 +7,14 @@ import torch
 
 from specserve.sampling import (
     RejectionUniforms,
-    rejection_sample,
-    rejection_sample_greedy,
+    keyed_uniforms,
+    random_seed,
     sample_from_probs,
+    seed_to_int64,
+    step_uniforms,
+    verify_chain,
 )
+from specserve.sampling.philox import SAMPLE
 
 V = 10
 
@@ -60,7 +64,7 @@ def convergence_batch(method, K, N, seed):
     p = random_dist((K + 1, V), g)  # [K+1, V] target at each position (context-independent)
     q = 0.5 * p[:K] + 0.5 * random_dist((K, V), g)  # [K, V] a decent but imperfect drafter
     drafts = sample_rows(q.repeat(N, 1), g).view(N, K)  # d_i ~ q_i; rows are [d_1..d_K]
-    out = rejection_sample(
+    out = verify_chain(
         p.expand(N, K + 1, V),
         drafts,
         torch.full((N,), K),
@@ -88,7 +92,7 @@ def test_strict_bonus_after_all_accepted_follows_the_target():
     g = torch.Generator().manual_seed(7)
     p = torch.cat([random_dist((K, V), g, scale=6.0), random_dist((1, V), g)])  # [K+1, V]
     drafts = p[:K].argmax(-1).expand(N, K).contiguous()
-    out = rejection_sample(p.expand(N, K + 1, V), drafts, torch.full((N,), K), None, rand_uniforms(N, K, g), "strict")
+    out = verify_chain(p.expand(N, K + 1, V), drafts, torch.full((N,), K), None, rand_uniforms(N, K, g), "strict")
     reference = random_dist((V,), g)
     assert_converges(emitted_at(out, K), p[K], reference)
     assert_converges(emitted_at(out, 0), p[0], reference)
@@ -119,7 +123,7 @@ def greedy_case():
 
 def test_greedy_fast_path():
     argmax, drafts, n, expected, num_acc = greedy_case()
-    out = rejection_sample_greedy(argmax, drafts, n)
+    out = verify_chain(None, drafts, n, target_tokens=argmax)
     assert out.output_token_ids.tolist() == expected.tolist()
     assert out.num_accepted.tolist() == num_acc.tolist()
     assert out.to_lists() == [[1, 2, 3, 4], [5, 6], [0], [9, 8, 7]]
@@ -133,7 +137,7 @@ def test_one_hot_targets_give_the_greedy_result(method, with_draft_probs):
     target = torch.nn.functional.one_hot(argmax, V).float()  # [4, 4, V]
     q = random_dist((4, 3, V), g) if with_draft_probs else None
     for _ in range(5):
-        out = rejection_sample(target, drafts, n, q, rand_uniforms(4, 3, g), method)
+        out = verify_chain(target, drafts, n, q, rand_uniforms(4, 3, g), method)
         assert out.output_token_ids.tolist() == expected.tolist()
         assert out.num_accepted.tolist() == num_acc.tolist()
 
@@ -143,7 +147,7 @@ def test_padding_beyond_num_draft_tokens_is_never_accepted():
     target = torch.nn.functional.one_hot(torch.tensor([[4, 5, 6, 7]]), V).float()
     drafts = torch.tensor([[4, 5, 6]])
     for method in ("strict", "probabilistic"):
-        out = rejection_sample(target, drafts, torch.tensor([1]), None, rand_uniforms(1, 3, torch.Generator()), method)
+        out = verify_chain(target, drafts, torch.tensor([1]), None, rand_uniforms(1, 3, torch.Generator()), method)
         assert out.output_token_ids.tolist() == [[4, 5, -1, -1]]  # draft 4 accepted, bonus from p_2
         assert out.num_accepted.tolist() == [1]
 
@@ -154,7 +158,7 @@ def test_zero_drafts_everywhere_emits_one_target_sample():
     drafts = torch.empty(6, 0, dtype=torch.int64)
     u = rand_uniforms(6, 0, g)
     for method in ("strict", "probabilistic"):
-        out = rejection_sample(p, drafts, torch.zeros(6, dtype=torch.int64), None, u, method)
+        out = verify_chain(p, drafts, torch.zeros(6, dtype=torch.int64), None, u, method)
         assert out.num_accepted.tolist() == [0] * 6
         assert out.output_token_ids[:, 0].tolist() == sample_from_probs(p[:, 0], u.sample[:, 0]).tolist()
 
@@ -162,7 +166,7 @@ def test_zero_drafts_everywhere_emits_one_target_sample():
 def test_residual_all_zero_falls_back_to_the_target():
     # p == q and a draft that both give zero mass: rejected, residual is empty -> sample p.
     p = torch.tensor([[[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]]])
-    out = rejection_sample(
+    out = verify_chain(
         p, torch.tensor([[0]]), torch.tensor([1]), p[:, :1].clone(),
         RejectionUniforms(accept=torch.tensor([[0.0]]), sample=torch.tensor([[0.6, 0.0]])), "probabilistic",
     )
@@ -171,11 +175,12 @@ def test_residual_all_zero_falls_back_to_the_target():
 
 def seeded_step(seeds, p, q, drafts):
     B, K = drafts.shape
-    gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+    # an unseeded request (None) has a key of its own too, as the engine draws one at admission
+    keys = torch.tensor([random_seed() if s is None else seed_to_int64(s) for s in seeds])
     outs = []
-    for _ in range(10):  # ten verification steps, each drawing from the request's generator
-        u = RejectionUniforms.draw(gens, K)
-        outs.append(rejection_sample(p, drafts, torch.full((B,), K), q, u, "probabilistic").output_token_ids)
+    for step in range(10):  # ten verification steps, each at the request's next K+1 output positions
+        u = step_uniforms(keys, torch.full((B,), step * (K + 1)), K)
+        outs.append(verify_chain(p, drafts, torch.full((B,), K), q, u, "probabilistic").output_token_ids)
     return torch.stack(outs, 1)  # [B, steps, K+1]
 
 
@@ -192,11 +197,13 @@ def test_seeded_requests_are_reproducible_whatever_the_batch():
     assert not torch.equal(other, first)
 
 
-def test_uniforms_draw_uses_each_request_generator():
-    u = RejectionUniforms.draw([torch.Generator().manual_seed(3), None], K=4)
+def test_step_uniforms_are_each_requests_keyed_numbers():
+    u = step_uniforms(torch.tensor([3, seed_to_int64(2**64 - 1)]), torch.tensor([0, 40]), K=4)
     assert u.accept.shape == (2, 4) and u.sample.shape == (2, 5)
-    expected = torch.rand(9, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(torch.cat([u.accept[0], u.sample[0]]), expected)
+    expected = keyed_uniforms(torch.tensor([3]), torch.tensor([0]), 5, SAMPLE)[0]  # positions 0..4
+    assert torch.equal(u.sample[0], expected)
+    alone = step_uniforms(torch.tensor([3]), torch.tensor([0]), K=4)  # row 0 without its neighbour
+    assert torch.equal(u.accept[0], alone.accept[0]) and torch.equal(u.sample[0], alone.sample[0])
     assert ((u.accept >= 0) & (u.accept < 1)).all() and ((u.sample >= 0) & (u.sample < 1)).all()
 
 
@@ -206,7 +213,7 @@ def test_synthetic_acceptance_rate_per_position(rate):
     g = torch.Generator().manual_seed(8)
     p = random_dist((B, K + 1, V), g)
     drafts = torch.randint(0, V, (B, K), generator=g)
-    out = rejection_sample(p, drafts, torch.full((B,), K), None, rand_uniforms(B, K, g), "synthetic", rate)
+    out = verify_chain(p, drafts, torch.full((B,), K), None, rand_uniforms(B, K, g), "synthetic", rate)
     for i in range(K):
         reached = (out.num_accepted >= i).sum().item()
         accepted = (out.num_accepted >= i + 1).sum().item()
@@ -221,7 +228,7 @@ def test_synthetic_ignores_the_target_but_greedy_rows_emit_argmax_on_failure():
     target = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3]] * 2), V).float()
     drafts = torch.tensor([[9, 9], [9, 9]])  # zero target probability
     u = RejectionUniforms(accept=torch.tensor([[0.1, 0.1], [0.1, 0.9]]), sample=torch.rand(2, 3))
-    out = rejection_sample(target, drafts, torch.tensor([2, 2]), None, u, "synthetic", 0.5)
+    out = verify_chain(target, drafts, torch.tensor([2, 2]), None, u, "synthetic", 0.5)
     assert out.output_token_ids.tolist() == [[9, 9, 3], [9, 2, -1]]
 
 
@@ -251,4 +258,4 @@ def test_errors_name_the_argument(change, match):
         method="strict",
     ) | change
     with pytest.raises(ValueError, match=match):
-        rejection_sample(**args)
+        verify_chain(**args)

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 class HeadDraftGraphs:
     def __init__(self, head, kv: tuple[Tensor, Tensor], *, block_size: int, trash_slot: int, k: int,
-                 max_num_seqs: int, max_seq_len: int, impl: str = "auto", use_graphs: bool | None = None,
+                 max_num_seqs: int, max_seq_len: int, impl: str = "auto", use_graphs: bool = False,
                  transfer: Transfer | None = None):
         self.head = head
         self.kv = kv
@@ -59,8 +59,8 @@ class HeadDraftGraphs:
         self.impl = impl
         p = next(head.parameters())
         self.device = p.device
-        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        if self.use_graphs and self.device.type != "cuda":
+        self.use_graphs = use_graphs  # the factory's choice (executor.backends.factory.head_graphs)
+        if use_graphs and self.device.type != "cuda":
             raise ValueError("use_graphs: CUDA graphs need a CUDA device")
         B = max_num_seqs
         # ``transfer``: on the CPU, a separate device buffer filled by that copier (tests)
