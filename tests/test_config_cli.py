@@ -11,6 +11,7 @@ import pytest
 from specserve.cli import UsageError, compose_config, serve_main
 from specserve.config import Config
 from specserve.errors import ConfigError
+from specserve.methods import method_names
 
 BAD = [
     (["+method=ngram", "method.num_speculative_tokens=0"], "method.num_speculative_tokens"),
@@ -32,7 +33,7 @@ BAD = [
     (["+method=draft_model", "draft=smollm2-135m", "method.draft_tensor_parallel_size=3"],
      "method.draft_tensor_parallel_size"),
     (["+method=nope"], "method: unknown preset 'nope'"),
-    (["+method=ngram", "method.method=medusa"], "method.method"),
+    (["+method=ngram", "method.method=lookahead"], "method.method"),
     (["model=nope"], "model: unknown preset"),
     (["model.dtype=float8"], "model.dtype"),
     (["model.max_model_len=0"], "model.max_model_len"),
@@ -149,8 +150,7 @@ def test_unknown_keys_fail_naming_the_closest_key(overrides, line):
 @pytest.mark.parametrize("overrides, line", [
     (["method.num_speculative_tokens=4"],
      "method.num_speculative_tokens: no speculative method is selected; add one first: +method=<name> "
-     "method.num_speculative_tokens=4 (methods: dflash, draft_model, eagle, eagle3, layer_skip, mlp_speculator, mtp, "
-     "ngram, suffix)"),
+     f"method.num_speculative_tokens=4 (methods: {', '.join(method_names())})"),
     (["method=ngram"], "method: not in the defaults, so it is added with +: write +method=ngram"),
     (["+method=ngram", "+method=suffix"],
      "method: selected twice (+method=ngram and +method=suffix); give +method=<name> once"),

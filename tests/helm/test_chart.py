@@ -547,7 +547,7 @@ BAD_VALUES = {
     "k-negative": ({"method": {"name": "ngram", "numSpeculativeTokens": -2}}, "numSpeculativeTokens"),
     "k-too-big": ({"method": {"name": "ngram", "numSpeculativeTokens": 129}}, "numSpeculativeTokens"),
     "k-not-integer": ({"method": {"name": "ngram", "numSpeculativeTokens": 2.5}}, "numSpeculativeTokens"),
-    "unknown-method": ({"method": {"name": "medusa"}}, "method"),
+    "unknown-method": ({"method": {"name": "lookahead"}}, "method"),
     "negative-gpu-count": ({"parallelism": {"tensorParallelSize": -1}}, "tensorParallelSize"),
     "fractional-gpu-count": ({"parallelism": {"tensorParallelSize": 1.5}}, "tensorParallelSize"),
     "string-gpu-count": ({"parallelism": {"tensorParallelSize": "2"}}, "tensorParallelSize"),
