@@ -2,7 +2,7 @@
 
 People arrive with vLLM code: ``LLM(model, speculative_config={...})``,
 ``vllm serve MODEL --speculative-config JSON`` and ``SamplingParams(...)``
-keywords, some of them made up by how-tos (``speculative_sampling=True``,
+keywords, and some that vLLM never had or no longer reads (``speculative_sampling=True``,
 ``speculative_model=``, ``speculative_ratio=``).  This module turns the real
 ones into the Hydra overrides the ``specserve`` command line takes, so they
 compose and validate through exactly the same path (``specserve.compose
@@ -207,7 +207,7 @@ IGNORED_ENGINE_ARGS: dict[str, str] = {
     "disable_log_requests": "requests are not logged",
 }
 
-# Removed vLLM knobs (and made-up ones from how-tos): the speculative_config key to use instead.
+# vLLM knobs it no longer reads (and ones it never had): the speculative_config key to use instead.
 REMOVED_SPEC_KNOBS: dict[str, str | None] = {
     "speculative_model": "model",
     "num_speculative_tokens": "num_speculative_tokens",

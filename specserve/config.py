@@ -21,7 +21,7 @@ from typing import Any, Optional
 from specserve.errors import ConfigError
 from specserve.methods import (REJECTION_METHODS, SpeculativeConfig, as_method_options, get_method, method_names,
                                methods, option_keys, owners_of)
-from specserve.speculators_format import compose_speculation
+from specserve.speculation_defaults import compose_speculation
 
 CPU_KERNELS = ("auto", "fused", "torch")  # engine.cpu_kernel
 CUDA_GRAPH_MODES = ("auto", "off")  # engine.cuda_graphs

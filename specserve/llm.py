@@ -25,9 +25,9 @@ sampled token and the k most likely), and ``cumulative_logprob``;
 prompt token).  The values are the target's (``specserve.sampling.logits_controls``).
 
 Async: ``AsyncLLM`` streams (``async for out in llm.generate(prompt, params)``)
-from an engine thread; ``await LLM.agenerate(prompts, params)`` (a name from a
-popular how-to; vLLM itself has none) runs ``generate`` off the event loop and
-returns the final outputs.
+from an engine thread; ``await LLM.agenerate(prompts, params)`` (vLLM's ``LLM``
+has no such method) runs ``generate`` off the event loop and returns the final
+outputs.
 """
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ class _Converted:
         if self.logprobs is not None:
             completion.logprobs = list(self.logprobs)
             completion.cumulative_logprob = self.cumulative
-        spec = SpecDecodeStats(out.spec.num_drafts, out.spec.num_draft_tokens, out.spec.num_accepted_tokens)
-        return GenerationOutput(out.request_id, self.prompt, list(self.prompt_ids), [completion], out.finished, spec,
+        stats = SpecDecodeStats(out.spec.num_drafts, out.spec.num_draft_tokens, out.spec.num_accepted_tokens)
+        return GenerationOutput(out.request_id, self.prompt, list(self.prompt_ids), [completion], out.finished, stats,
                                 self.prompt_logprobs)
 
 

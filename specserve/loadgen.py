@@ -209,7 +209,7 @@ class GrpcClient:
                 messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="hi")]),
                 sampling_params=pb.SamplingParams(max_tokens=4),
             ),
-            # The adversarial probe's inputs (issue #8): each must be INVALID_ARGUMENT and harmless.
+            # The adversarial probe's inputs: each must be INVALID_ARGUMENT and harmless.
             pb.GenerateRequest(prompt="hello", sampling_params=pb.SamplingParams(temperature=1.0, top_k=2**31 - 1)),
             pb.GenerateRequest(prompt="hello", sampling_params=pb.SamplingParams(temperature=float("inf"))),
             pb.GenerateRequest(prompt="hello " * 500_000, sampling_params=pb.SamplingParams(max_tokens=4)),
@@ -313,10 +313,10 @@ class HttpClient:
         bad = [
             b'{"prompt": "hello", "max_tokens": ',  # malformed JSON
             json.dumps({"prompt": "hello", "temperature": -1}).encode(),
-            json.dumps({"prompt": "hello", "n": 0}).encode(),  # n and list prompts are valid (issue #13) ...
+            json.dumps({"prompt": "hello", "n": 0}).encode(),  # n and list prompts are valid ...
             json.dumps({"prompt": "hello", "n": 1000}).encode(),  # ... within their limits
             json.dumps({"prompt": ["a", 5]}).encode(),
-            # The adversarial probe's inputs (issue #8): each must be 400 and harmless.
+            # The adversarial probe's inputs: each must be 400 and harmless.
             b'{"prompt": "hello", "max_tokens": 4, "seed": 18446744073709551616}',
             b'{"prompt": "hello", "max_tokens": 4, "seed": -9223372036854775809}',
             b'{"prompt": "hello", "max_tokens": 4, "temperature": 1, "top_k": 9223372036854775808}',

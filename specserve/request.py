@@ -310,7 +310,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     num_prompt_tokens: int
-    spec: SpecDecodeStats
+    spec: SpecDecodeStats  # its speculative-decoding counters so far (not the method's config)
     error: str | None = None  # set when the engine itself failed (INTERNAL; the engine is dead)
     # Set when handling this one request failed (bad input found late -> InvalidRequestError,
     # anything else -> RequestFailedError); the engine keeps serving the others.

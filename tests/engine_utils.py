@@ -101,3 +101,33 @@ def total_variation(a, b, pos: int) -> float:
     ca = Counter(o.token_ids[pos] for o in a)
     cb = Counter(o.token_ids[pos] for o in b)
     return 0.5 * sum(abs(ca[t] - cb[t]) for t in set(ca) | set(cb)) / len(a)
+
+
+def head_forwards(monkeypatch) -> list[tuple[str, list[int], list[int]]]:
+    """Every forward of a head's own layers (``proposers.heads.head_metadata``), as
+    (attention: "reference" or "kernel", query lengths, context lengths) per batch."""
+    import specserve.proposers.heads as heads
+
+    seen: list[tuple[str, list[int], list[int]]] = []
+    for name, path in (("batch_metadata", "reference"), ("kernel_metadata", "kernel")):
+        def spy(batch, *args, _fn=getattr(heads, name), _path=path, **kw):
+            qs = batch.query_start
+            seen.append((_path, [qs[b + 1] - qs[b] for b in range(len(batch.seq_lens))], list(batch.seq_lens)))
+            return _fn(batch, *args, **kw)
+
+        monkeypatch.setattr(heads, name, spy)
+    return seen
+
+
+def record_drafts(eng) -> list[list[list[int]]]:
+    """Every round's drafts, as the engine's proposer returns them."""
+    seen: list[list[list[int]]] = []
+    propose = eng.proposer.propose
+
+    def recording(reqs, step=None):
+        prop = propose(reqs, step)
+        seen.append([list(d) for d in prop.token_ids])
+        return prop
+
+    eng.proposer.propose = recording
+    return seen

@@ -135,7 +135,7 @@ def test_composing_and_validating_imports_no_torch():
 
 
 def test_the_speculators_composition_does_not_import_the_config():
-    code = ("import sys, specserve.speculators_format\n"
+    code = ("import sys, specserve.speculation_defaults\n"
             "assert 'specserve.config' not in sys.modules, sorted(m for m in sys.modules if 'specserve' in m)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)
 

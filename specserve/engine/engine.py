@@ -41,7 +41,7 @@ from specserve.engine.spec_control import SpecController
 from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model, resolve_device
-from specserve.executor.batch import SeqInput, StepBatch
+from specserve.executor.batch import SeqInput, StepBatch, draft_sizes
 from specserve.executor.backends.factory import RunnerFactory
 from specserve.kernels.backends import choose_rejection
 from specserve.parallel.plan import draft_tensor_parallel_size
@@ -100,17 +100,8 @@ def memory_budget(cfg: Config, target: LoadedModel, num_spec_tokens: int, graphs
             tokens = max(e.max_num_batched_tokens, e.max_num_seqs * (num_spec_tokens + 1))
             p = profile_cuda_memory(target, tokens, e.block_size, e.max_num_seqs, num_spec_tokens)
             device = DeviceFigures(p.total_bytes, p.held_bytes, p.activation_bytes, p.verify_bytes)
-    return plan_memory(cfg, target, k=num_spec_tokens, graphs=graphs, static=static, extra_layers=extra_layers, needs=needs,
-                       device=device)
-
-
-def draft_sizes(num_spec_tokens: int) -> tuple[int, ...]:
-    """Numbers of drafts an adaptive step may choose (CUDA graphs are captured for each
-    as a verification size): every one up to 8, then powers of two, and K itself."""
-    K = num_spec_tokens
-    if K <= 8:
-        return tuple(range(1, K + 1))
-    return tuple(sorted({*range(1, 9), *(2**i for i in range(4, 8) if 2**i < K), K}))
+    return plan_memory(cfg, target, num_spec_tokens=num_spec_tokens, graphs=graphs, static=static,
+                       extra_layers=extra_layers, needs=needs, device=device)
 
 
 class LLMEngine:
@@ -527,9 +518,9 @@ class LLMEngine:
                 continue
             d, a = s.drafts.token_ids, v.num_accepted
             if d:
-                seq.spec.num_drafts += 1
-                seq.spec.num_draft_tokens += len(d)
-                seq.spec.num_accepted_tokens += a
+                seq.spec_stats.num_drafts += 1
+                seq.spec_stats.num_draft_tokens += len(d)
+                seq.spec_stats.num_accepted_tokens += a
                 self.spec_control.observe_drafts(len(d), a)
             n_pred = s.drafts.num_from_prediction  # leading drafts from the request's prediction
             stage = "updating its draft state"
@@ -545,8 +536,8 @@ class LLMEngine:
                     st.grammar.advance(new_ids)
                 if n_pred:  # OpenAI's counts: prediction tokens that made it into the output, and the rest
                     kept = min(a, n_pred, len(new_ids))
-                    seq.spec.num_accepted_prediction_tokens += kept
-                    seq.spec.num_rejected_prediction_tokens += n_pred - kept
+                    seq.spec_stats.num_accepted_prediction_tokens += kept
+                    seq.spec_stats.num_rejected_prediction_tokens += n_pred - kept
                 if reason is not None:
                     self._finish(st, reason)
                 out = self._output(st, new_ids)
@@ -611,8 +602,8 @@ class LLMEngine:
         fin = RequestFinishedStats(
             request_id=seq.request_id, finish_reason=reason.value, num_prompt_tokens=seq.num_prompt_tokens,
             num_generation_tokens=seq.num_output_tokens, e2e_latency_s=time.monotonic() - seq.arrival_time,
-            num_drafts=seq.spec.num_drafts, num_draft_tokens=seq.spec.num_draft_tokens,
-            num_accepted_tokens=seq.spec.num_accepted_tokens,
+            num_drafts=seq.spec_stats.num_drafts, num_draft_tokens=seq.spec_stats.num_draft_tokens,
+            num_accepted_tokens=seq.spec_stats.num_accepted_tokens,
         )
         for listener in self.listeners:
             listener.on_request_finished(fin)
@@ -624,7 +615,7 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_ids, new_text="", token_ids=[],
             text="", finished=seq.finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            spec=dataclasses.replace(seq.spec),
+            spec=dataclasses.replace(seq.spec_stats),
         )
         if st.prompt_lps is not None and not st.prompt_lps_sent and (new_ids or seq.finished):
             st.prompt_lps_sent = True  # echo: the prompt's log-probabilities, once

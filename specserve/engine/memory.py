@@ -60,7 +60,7 @@ VERIFY_BYTES_PER_LOGIT = VERIFY_STEP_BYTES_PER_LOGIT + 4
 # estimate: on CUDA the engine profiles verification and uses the measured peak instead).
 CUDA_SORT_BYTES_PER_LOGIT = 8 + 12
 # A graph pool holds the largest captured step's temporaries; counted twice for the
-# pool's fragmentation (the estimate this engine has always used).
+# pool's fragmentation (an estimate, not a measurement).
 GRAPH_POOL_FACTOR = 2
 SPLIT_KV_SPLITS = 16  # the static runner's split-KV scratch (make_split_scratch(16, ...))
 
@@ -128,18 +128,18 @@ def runner_buffer_bytes(max_num_seqs: int, max_tokens: int, max_seq_len: int, bl
     return staging + scratch
 
 
-def sampler_buffer_bytes(max_num_seqs: int, k: int) -> int:
+def sampler_buffer_bytes(max_num_seqs: int, num_spec_tokens: int) -> int:
     """``DeviceSampler``'s persistent device inputs: int64 top_k, seed, position,
     num_drafts, row_index (B, K+1), draft_ids (B, K); float32 temperature, top_p, min_p."""
-    B = max_num_seqs
-    fields = [8 * B] * 4 + [8 * B * (k + 1), 8 * B * k] + [4 * B] * 3
+    B, K = max_num_seqs, num_spec_tokens
+    fields = [8 * B] * 4 + [8 * B * (K + 1), 8 * B * K] + [4 * B] * 3
     return sum(-(-n // 16) * 16 for n in fields)  # each field 16-byte aligned (StagingBuffer)
 
 
-def verify_bytes(max_num_seqs: int, k: int, vocab_size: int, cuda: bool) -> int:
+def verify_bytes(max_num_seqs: int, num_spec_tokens: int, vocab_size: int, cuda: bool) -> int:
     """Verification temporaries of a full step (every request with K drafts, some sampled)."""
     per_logit = VERIFY_BYTES_PER_LOGIT + (CUDA_SORT_BYTES_PER_LOGIT if cuda else 0)
-    return max_num_seqs * (k + 1) * vocab_size * per_logit
+    return max_num_seqs * (num_spec_tokens + 1) * vocab_size * per_logit
 
 
 def padded_attention_bytes(num_seqs: int, max_len: int, query_len: int, num_kv_heads: int, head_dim: int,
@@ -148,6 +148,15 @@ def padded_attention_bytes(num_seqs: int, max_len: int, query_len: int, num_kv_h
     of ``num_seqs`` x ``max_len`` positions, their int64 slots and the boolean mask."""
     keys = num_seqs * max_len
     return keys * (2 * num_kv_heads * head_dim * dtype_bytes + 8 + query_len)
+
+
+def kernel_args_bytes(num_seqs: int, num_tokens: int, max_len: int, block_size: int) -> int:
+    """An eager forward's paged-kernel arguments (``attention.kernel_metadata``): int32 block
+    tables of ``num_seqs`` contexts up to ``max_len``, query starts and lengths, and the
+    int64 slot and position of each of ``num_tokens`` tokens.  The kernel reads the cache
+    in place: no gathered keys, no mask."""
+    blocks = -(-max_len // block_size)
+    return 4 * (num_seqs * blocks + 2 * num_seqs + 1) + 16 * num_tokens
 
 
 def module_bytes(module: Any) -> int:
@@ -226,12 +235,12 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / GIB:.2f}"
 
 
-def plan_memory(cfg: Any, target: Any, *, k: int, graphs: bool, static: bool, extra_layers: int = 0,
+def plan_memory(cfg: Any, target: Any, *, num_spec_tokens: int, graphs: bool, static: bool, extra_layers: int = 0,
                 needs: Any = None, device: DeviceFigures | None = None) -> MemoryBudget:
     """The budget of an engine serving ``target`` (a ``LoadedModel``: its model may be on
     the meta device) with ``cfg`` (a ``Config``).
 
-    ``k``: the engine's K (verification positions K+1 per request); ``graphs``: decode and
+    ``num_spec_tokens``: the engine's K (verification positions K+1 per request); ``graphs``: decode and
     verification steps are captured (CUDA graphs); ``static``: the persistent-buffer step
     runner runs the target (CUDA, one device); ``extra_layers``: the method's layers in the
     engine's KV cache (``MethodSpec.kv_layers``); ``needs``: the method's ``MemoryNeeds`` (None = no
@@ -239,8 +248,8 @@ def plan_memory(cfg: Any, target: Any, *, k: int, graphs: bool, static: bool, ex
     no device budget: the configured or CPU default KV size)."""
     e, a = cfg.engine, target.arch
     dt = target.dtype.itemsize
-    B = e.max_num_seqs
-    rows = B * (k + 1)  # the largest captured step: every sequence verifying K drafts
+    B, K = e.max_num_seqs, num_spec_tokens
+    rows = B * (K + 1)  # the largest captured step: every sequence verifying K drafts
     max_tokens = max(e.max_num_batched_tokens, rows)  # the largest eager step (the static runner's bound)
     n = needs
     held = device.held_bytes if device is not None and device.held_bytes is not None else None
@@ -248,7 +257,7 @@ def plan_memory(cfg: Any, target: Any, *, k: int, graphs: bool, static: bool, ex
     if device is not None and device.verify_bytes is not None:  # measured, plus the controls' copy of the logits
         verify = device.verify_bytes + rows * a.vocab_size * (VERIFY_BYTES_PER_LOGIT - VERIFY_STEP_BYTES_PER_LOGIT)
     else:
-        verify = verify_bytes(B, k, a.vocab_size, cuda=device is not None)
+        verify = verify_bytes(B, K, a.vocab_size, cuda=device is not None)
     parts = {
         "weights": held if held is not None else module_bytes(target.model),
         "draft weights": n.weight_bytes if n is not None else 0,
@@ -257,7 +266,7 @@ def plan_memory(cfg: Any, target: Any, *, k: int, graphs: bool, static: bool, ex
         "verification": verify + (2 * n.draft_probs_bytes if n is not None else 0),
         "graph outputs": graph_output_bytes(rows, a, dt, n.aux_layers if n is not None else 0) if graphs else 0,
         "graph pools": graph_pool_bytes(rows, a, dt) if graphs else 0,
-        "buffers": sampler_buffer_bytes(B, k) + (
+        "buffers": sampler_buffer_bytes(B, K) + (
             runner_buffer_bytes(B, max_tokens, target.max_model_len, e.block_size, a.num_heads, a.head_dim)
             if static else 0),
         "proposer graphs": n.graph_bytes if n is not None else 0,
@@ -269,13 +278,13 @@ def plan_memory(cfg: Any, target: Any, *, k: int, graphs: bool, static: bool, ex
     }
     mem = MemoryBudget(device.total_bytes if device is not None else None,
                        e.gpu_memory_utilization if device is not None else None, parts, kv_per_block, 0)
-    min_blocks = -(-(target.max_model_len + k) // e.block_size)  # one longest request
+    min_blocks = -(-(target.max_model_len + K) // e.block_size)  # one longest request
     if e.num_kv_blocks is not None:
         mem.num_blocks = e.num_kv_blocks
         _check_given(mem, "engine.num_kv_blocks")
     elif e.kv_cache_memory_gib is not None or device is None:
         gib = e.kv_cache_memory_gib if e.kv_cache_memory_gib is not None else CPU_KV_CACHE_GIB
-        # the size given is the engine's cache (as it always was); a method's own caches come on top
+        # the size given is the engine's cache; a method's own caches come on top
         mem.num_blocks = max(1, int(gib * GIB) // kv_per_block["target"])
         _check_given(mem, "engine.kv_cache_memory_gib")
     else:

@@ -38,7 +38,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
-    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # its drafts and accepted tokens so far
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0

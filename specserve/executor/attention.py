@@ -1,15 +1,23 @@
 """Attention over the paged KV cache for a flattened ragged batch.
 
-Tokens of all sequences lie on one axis T.  Each step the runner groups the
-sequences: a long prefill with no cached context runs alone as causal SDPA on
-its own keys; every other sequence (decode tokens, K+1 verification
-positions, chunked prefills with cached context) joins a padded group whose
-keys are gathered from the cache by slot index, with a mask built from
-absolute positions (key j is visible to a query at position p iff j <= p, and
-p - j < window when a sliding window is set).
+Tokens of all sequences lie on one axis T.  :func:`write_and_attend` writes the
+new tokens' K/V into their cache slots, then attends in one of two ways, chosen
+by the step's ``AttentionMetadata``:
 
-The gather-then-SDPA path is the device-agnostic reference; it is what runs on
-CPU.  All index tensors are built once per step and shared by every layer.
+* the reference (``batch_metadata``; what runs on the CPU): a long prefill with
+  no cached context runs alone as causal SDPA on its own keys; every other
+  sequence (decode tokens, K+1 verification positions, chunked prefills with
+  cached context) joins a padded group whose keys are gathered from the cache by
+  slot index, with a mask built from absolute positions (key j is visible to a
+  query at position p iff j <= p, and p - j < window when a sliding window is
+  set).  The group is padded to (sequences, longest query, longest context):
+  a prompt chunk beside decode rows makes it that large;
+* the paged kernel (``kernels.paged_attention``, Triton or its torch twin) over
+  block tables: ``PagedKernelArgs``, from the step runner's persistent buffers
+  or, for an eager forward, from ``kernel_metadata``.  Nothing is gathered or
+  masked outside the kernel, whatever the mix of prompt chunks and decode rows.
+
+All index tensors are built once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -117,7 +125,7 @@ def build_padded_group(
     )
 
 
-def paged_attention(
+def write_and_attend(
     q: Tensor,  # (T, nh, hd)
     k: Tensor,  # (T, nkv, hd) new keys
     v: Tensor,  # (T, nkv, hd) new values
@@ -127,7 +135,7 @@ def paged_attention(
 ) -> Tensor:
     """Write the new K/V into their slots, then attend.  Returns (T, nh, hd)."""
     if meta.kernel is not None:
-        return _paged_kernel_attention(q, k, v, k_cache, v_cache, meta)
+        return _kernel_attention(q, k, v, k_cache, v_cache, meta)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     nh, hd = q.shape[1], q.shape[2]
@@ -163,8 +171,8 @@ def paged_attention(
     return out
 
 
-def _paged_kernel_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                            meta: AttentionMetadata) -> Tensor:
+def _kernel_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                      meta: AttentionMetadata) -> Tensor:
     from specserve.kernels.paged_attention import paged_attention as kernel_attention
     from specserve.kernels.paged_attention import write_kv
 
@@ -204,4 +212,26 @@ def batch_metadata(batch, block_size: int, device: torch.device, window: int | N
     padded = build_padded_group(starts, lens, ctx, tables, block_size, window, device) if lens else None
     meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
                              causal=causal, padded=padded)
+    return meta, torch.tensor(batch.positions, dtype=torch.int64, device=device)
+
+
+def kernel_metadata(batch, block_size: int, device: torch.device, impl: str, window: int | None = None,
+                    ) -> tuple[AttentionMetadata, Tensor]:
+    """(attention metadata, positions (T,)) for an eager forward over a ``StepBatch`` on the
+    paged kernel (``impl``: "triton" or the twin "torch", as the target's check chose):
+    each sequence's block table cut to its context, its query start and length as int32
+    tensors made for this batch (no persistent buffers), one launch without split-KV."""
+    qs, lens = batch.query_start, batch.seq_lens
+    need = [-(-n // block_size) for n in lens]
+    width = max(need, default=1) or 1
+    tables = [list(t[:n]) + [0] * (width - min(len(t), n)) for t, n in zip(batch.block_tables, need)]
+    i32 = dict(dtype=torch.int32, device=device)
+    args = PagedKernelArgs(
+        block_tables=torch.tensor(tables, **i32).view(len(lens), width), query_start=torch.tensor(qs, **i32),
+        seq_lens=torch.tensor(lens, **i32), block_size=block_size,
+        max_query_len=max((qs[b + 1] - qs[b] for b in range(len(lens))), default=0),
+        max_seq_len=max(lens, default=0), num_splits=1, impl=impl, window=window,
+    )
+    meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
+                             kernel=args)
     return meta, torch.tensor(batch.positions, dtype=torch.int64, device=device)

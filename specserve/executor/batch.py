@@ -23,6 +23,8 @@ Batch buckets (:func:`batch_buckets`, :func:`batch_bucket`): the batch sizes a
 uniform step is padded to, so one captured CUDA graph serves every batch up to
 its size; adaptive speculation measures step costs per bucket by the same
 definition, so the graph timings it starts from are found for every batch.
+Draft sizes (:func:`draft_sizes`): the numbers of drafts per sequence an adaptive
+step may choose, so the verification sizes (q = drafts + 1) graphs are captured for.
 """
 
 from __future__ import annotations
@@ -149,3 +151,12 @@ def batch_bucket(num_seqs: int, max_num_seqs: int | None = None) -> int:
     if max_num_seqs is not None and num_seqs <= max_num_seqs:
         return min(b, max_num_seqs)
     return b
+
+
+def draft_sizes(num_spec_tokens: int) -> tuple[int, ...]:
+    """Numbers of drafts an adaptive step may choose (CUDA graphs are captured for each
+    as a verification size): every one up to 8, then powers of two, and K itself."""
+    K = num_spec_tokens
+    if K <= 8:
+        return tuple(range(1, K + 1))
+    return tuple(sorted({*range(1, 9), *(2**i for i in range(4, 8) if 2**i < K), K}))

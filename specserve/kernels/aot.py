@@ -69,13 +69,9 @@ class Job:
     key: tuple  # its specialization: jobs with equal keys share one binary
 
 
-def _draft_sizes(k: int) -> tuple[int, ...]:
-    # as engine.draft_sizes: every k up to 8, then powers of two, and K itself
-    return tuple(range(1, k + 1)) if k <= 8 else tuple(sorted({*range(1, 9), *(2**i for i in range(4, 8) if 2**i < k), k}))
-
-
 def preset_jobs(p: Preset, dtype: str, num_sms: int = 132) -> list[Job]:
     """One job per distinct binary of preset ``p`` in ``dtype`` (CPU stand-in tensors)."""
+    from specserve.executor.batch import draft_sizes
     from specserve.kernels.specializations import (AttentionGeometry, StepShape, batch_buckets, rejection_launches,
                                                    runner_launches, runner_step_shapes)
 
@@ -83,7 +79,7 @@ def preset_jobs(p: Preset, dtype: str, num_sms: int = 132) -> list[Job]:
     from specserve.kernels.rejection_kernel import default_block_v
 
     g = AttentionGeometry(p.num_heads, p.num_kv_heads, p.head_dim, p.block_size, None, DTYPES[dtype])
-    graph_q = (1, *(k + 1 for k in _draft_sizes(p.k)))
+    graph_q = (1, *(n + 1 for n in draft_sizes(p.k)))
     max_tokens = max(p.max_num_batched_tokens, p.max_num_seqs * max(graph_q))
     shapes = runner_step_shapes(g, max_num_seqs=p.max_num_seqs, max_tokens=max_tokens, graph_query_lens=graph_q,
                                 max_seq_len=p.max_model_len, split_kv=True, num_sms=num_sms)

@@ -24,9 +24,12 @@ head's real rows end where the target's committed positions end, and the next
 round overwrites every position after them (draft-written K/V included).
 
 CUDA: the K draft steps of a greedy round replay one CUDA graph per batch bucket
-(``executor.backends.head_graphs.HeadDraftGraphs``); the consuming forward, whose
-row count varies, runs eagerly.  CPU in bf16: the head's projections and LM head run
-on the fused decoder's matmul (``kernels.cpu_decoder.FusedLinear``).  Both are the
+(``executor.backends.head_graphs.HeadDraftGraphs``; a bucket whose capture failed
+runs the same loop eagerly); the consuming forward, whose row count varies, runs
+eagerly, and every eager forward attends through the paged kernel the target uses
+(no padded keys or masks when a step commits a prompt chunk beside decode rows).
+CPU: the reference attention; in bf16 the head's projections and LM head run on the
+fused decoder's matmul (``kernels.cpu_decoder.FusedLinear``).  All of it is the
 backend factory's choice (``executor.backends.factory``), made with the target's.
 
 Drafts: greedy (argmax of the head) for greedy requests and with strict
@@ -48,8 +51,8 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from specserve.engine.memory import (VERIFY_BYTES_PER_LOGIT, graph_pool_bytes, kv_bytes_per_block,
-                                     padded_attention_bytes, rotary_bytes, step_activation_bytes)
+from specserve.engine.memory import (VERIFY_BYTES_PER_LOGIT, graph_pool_bytes, kv_bytes_per_block, rotary_bytes,
+                                     step_activation_bytes)
 from specserve.errors import ConfigError
 from specserve.executor.backends.factory import RunnerFactory
 from specserve.executor.backends.head_graphs import HeadDraftGraphs
@@ -60,8 +63,8 @@ from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.eagle import EagleHead
 from specserve.methods import SpeculativeConfig
 from specserve.proposers.base import DraftRequest, KVBlocks, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import (DraftColumns, HeadSampler, head_metadata, narrow, read_tensor_shapes,
-                                       step_metadata)
+from specserve.proposers.heads import (DraftColumns, HeadSampler, head_attention_bytes, head_metadata, narrow,
+                                       read_tensor_shapes, step_metadata)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,9 @@ class EagleProposer:
         # The K greedy draft steps over persistent buffers (CUDA graphs per batch bucket;
         # ``RunnerFactory.head_graphs``); None: the eager loop.
         self.static: HeadDraftGraphs | None = None
+        # The eager forwards' attention (``RunnerFactory.head_attention``): the paged
+        # kernel's implementation on CUDA, None for the reference attention.
+        self.attention: str | None = None
         self.num_spec_tokens = num_spec_tokens  # K: the most drafts per request and step
         self.kv = kv
         self.block_size = block_size
@@ -129,7 +135,7 @@ class EagleProposer:
         feats = torch.cat([step.aux[l].index_select(0, idx) for l in self.aux_layer_ids], dim=-1)
         hidden = self.head.project(feats.to(device=self.device, dtype=self.dtype))  # (T, H)
         batch = StepBatch.from_inputs(inputs, self.block_size)
-        meta, ids, pos = step_metadata(batch, self.block_size, self.device)
+        meta, ids, pos = step_metadata(batch, self.block_size, self.device, kernel=self.attention)
         out = self.head(ids, hidden, pos, meta, self.kv)  # (T, H): writes the head's K/V of the real rows
         if not drafting:
             return Proposal(token_ids=drafts)
@@ -156,7 +162,7 @@ class EagleProposer:
                 break
             inputs = [SeqInput([0], drafting[a][2] + step, drafting[a][3], [0]) for a in active]
             batch = StepBatch.from_inputs(inputs, self.block_size)
-            meta, pos = head_metadata(batch, self.block_size, self.device)
+            meta, pos = head_metadata(batch, self.block_size, self.device, kernel=self.attention)
             hidden = self.head(tokens, hidden, pos, meta, self.kv)  # (B', H): the head's own state
             step += 1
         return out.proposal(drafts)
@@ -211,8 +217,9 @@ def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
         head, k, kv, ctx.engine.block_size, kv_blocks,
         probabilistic=spec.rejection_sample_method == "probabilistic", trash_slot=trash,
     )
-    proposer.static = runners.head_graphs(head, kv, t, block_size=ctx.engine.block_size, trash_slot=trash, k=k,
-                                          max_seq_len=t.max_model_len)  # fmt: skip
+    proposer.attention = runners.head_attention(t)
+    proposer.static = runners.head_graphs(head, kv, t, block_size=ctx.engine.block_size, trash_slot=trash,
+                                          num_spec_tokens=k, max_seq_len=t.max_model_len)  # fmt: skip
     return proposer
 
 
@@ -221,8 +228,8 @@ def eagle_memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) ->
     weights (the target's embeddings and LM head are shared unless it brings its own),
     a cache layer of its own when its attention shape differs from the target's (else
     the engine's extra layer: ``MethodSpec.kv_layers``), the draft graphs on CUDA, and its largest
-    temporaries: consuming a step's rows (eagerly, through the reference attention's
-    padded gather) and a draft step's logits (with sampling and q when probabilistic)."""
+    temporaries: consuming a step's rows and a draft step's logits (with sampling and q
+    when probabilistic).  The consuming forward's attention: ``heads.head_attention_bytes``."""
     path = spec.model or (draft.path if draft is not None else None)
     if not path:
         return MemoryNeeds()
@@ -242,7 +249,7 @@ def eagle_memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) ->
     graphs = _head_graph_bytes(head, k, B, target.max_model_len, engine.block_size, dt) if target.cuda_graphs else 0
     tokens = max(engine.max_num_batched_tokens, B * (k + 1))  # rows a step may commit
     consume = (step_activation_bytes(head, tokens, B, dt) + 2 * tokens * c.fc_in * dt
-               + padded_attention_bytes(B, max_len, k + 1, c.num_kv_heads, c.head_dim, dt))
+               + head_attention_bytes(target, engine, tokens, max_len, k + 1, c.num_kv_heads, c.head_dim))
     probabilistic = spec.rejection_sample_method == "probabilistic"
     step = B * c.draft_vocab_size * (4 + dt)
     if probabilistic:  # the head's distribution under each request's filters, and q on the target vocabulary
@@ -255,13 +262,14 @@ def eagle_memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) ->
     )
 
 
-def _head_graph_bytes(head, k: int, max_num_seqs: int, max_seq_len: int, block_size: int, dtype_bytes: int) -> int:
+def _head_graph_bytes(head, num_spec_tokens: int, max_num_seqs: int, max_seq_len: int, block_size: int,
+                      dtype_bytes: int) -> int:
     """``HeadDraftGraphs``: its staging (int32 base, want, block tables), hidden states,
     query starts and drafts, and the pool of its largest bucket's K steps (each step's
     temporaries are reused by the next)."""
-    B = max_num_seqs
-    max_blocks = -(-(max_seq_len + k + 1) // block_size) + 1
+    B, K = max_num_seqs, num_spec_tokens
+    max_blocks = -(-(max_seq_len + K + 1) // block_size) + 1
     staging = sum(-(-4 * n // 16) * 16 for n in (B, B, B * max_blocks))
-    buffers = staging + B * head.hidden_size * dtype_bytes + 4 * (B + 1) + 8 * B * k
+    buffers = staging + B * head.hidden_size * dtype_bytes + 4 * (B + 1) + 8 * B * K
     return buffers + graph_pool_bytes(B, head, dtype_bytes) + 2 * B * head.vocab_size * 4  # + the float32 logits
 

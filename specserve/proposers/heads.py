@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specserve.executor.attention import AttentionMetadata, batch_metadata
+from specserve.engine.memory import kernel_args_bytes, padded_attention_bytes
+from specserve.executor.attention import AttentionMetadata, batch_metadata, kernel_metadata
 from specserve.executor.batch import StepBatch
 from specserve.executor.kv_cache import KVCache
 from specserve.kv_blocks import BlockManager
@@ -152,17 +153,37 @@ def narrow(active: list[int], want: list[int], step: int, *tensors: Tensor) -> t
     return active, tensors
 
 
-def head_metadata(batch: StepBatch, block_size: int, device: torch.device,
-                  window: int | None = None) -> tuple[AttentionMetadata, Tensor]:
+def head_metadata(batch: StepBatch, block_size: int, device: torch.device, window: int | None = None,
+                  kernel: str | None = None) -> tuple[AttentionMetadata, Tensor]:
     """(attention metadata, positions (T,)) for a forward of a head over ``batch`` in its
-    own paged cache (``attention.batch_metadata``)."""
+    paged cache.  ``kernel``: the paged kernel's implementation where the target runs on
+    it (``RunnerFactory.head_attention``: CUDA), so a step that commits a prompt chunk
+    beside decode rows gathers and masks nothing (``attention.kernel_metadata``); None:
+    the reference attention's padded group (``attention.batch_metadata``: the CPU)."""
+    if kernel is not None:
+        return kernel_metadata(batch, block_size, device, kernel, window)
     return batch_metadata(batch, block_size, device, window)
 
 
-def step_metadata(batch: StepBatch, block_size: int, device: torch.device,
-                  window: int | None = None) -> tuple[AttentionMetadata, Tensor, Tensor]:
+def head_attention_bytes(target, engine, num_tokens: int, max_len: int, query_len: int, num_kv_heads: int,
+                         head_dim: int) -> int:
+    """The attention temporaries of a head's eager forward over ``num_tokens`` rows with
+    contexts up to ``max_len`` (``head_metadata``), for a method's memory declaration
+    (``target``: a ``TargetShape``, ``engine``: an ``EngineConfig``).  On CUDA the paged
+    kernel's arguments only: it reads the cache in place, so a step that commits a prompt
+    chunk beside decode rows costs no padded keys or mask.  Elsewhere the reference
+    attention's padded gather of a step of ``query_len`` queries per sequence, a figure
+    reported only (the CPU has no device budget)."""
+    B = engine.max_num_seqs
+    if target.cuda:
+        return kernel_args_bytes(B, num_tokens, max_len, engine.block_size)
+    return padded_attention_bytes(B, max_len, query_len, num_kv_heads, head_dim, target.dtype_bytes)
+
+
+def step_metadata(batch: StepBatch, block_size: int, device: torch.device, window: int | None = None,
+                  kernel: str | None = None) -> tuple[AttentionMetadata, Tensor, Tensor]:
     """``head_metadata`` with the token ids (T,): (metadata, ids, positions)."""
-    meta, pos = head_metadata(batch, block_size, device, window)
+    meta, pos = head_metadata(batch, block_size, device, window, kernel)
     return meta, torch.tensor(batch.token_ids, dtype=torch.int64, device=device), pos
 
 

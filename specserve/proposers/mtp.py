@@ -32,8 +32,10 @@ The layers' KV caches are the proposer's own (one cache layer per MTP layer,
 blocks mirroring the target's count); rollback is bookkeeping.  Positions the
 target never ran (prefix-cached prompt blocks) have no hidden state; their
 entries stay empty.  Drafts: argmax, or sampled from the layer's distribution
-with probabilistic verification (``heads.HeadSampler``).  Torch path (eager on
-CUDA too).
+with probabilistic verification (``heads.HeadSampler``).  Every forward runs
+eagerly; on CUDA it attends through the paged kernel the target uses
+(``RunnerFactory.head_attention``: no padded keys or masks when a step commits a
+prompt chunk beside decode rows), elsewhere through the reference attention.
 """
 
 from __future__ import annotations
@@ -48,16 +50,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from specserve.engine.memory import (VERIFY_BYTES_PER_LOGIT, kv_bytes_per_block, padded_attention_bytes,
-                                     step_activation_bytes)
+from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT, kv_bytes_per_block, step_activation_bytes
 from specserve.errors import ConfigError
+from specserve.executor.backends.factory import RunnerFactory
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.loader import LoadedModel
 from specserve.executor.models.llama import DecoderLayer, RMSNorm
 from specserve.methods import SpeculativeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import (DraftColumns, OwnCacheHead, fuse_layer, narrow, read_tensor_shapes, read_tensors,
-                                       step_metadata)
+from specserve.proposers.heads import (DraftColumns, OwnCacheHead, fuse_layer, head_attention_bytes, narrow,
+                                       read_tensor_shapes, read_tensors, step_metadata)
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +167,7 @@ class MTPProposer(OwnCacheHead):
         a = target.arch
         self._init_cache(len(layers), a.num_kv_heads, a.head_dim, num_blocks, block_size, target, probabilistic)
         self.window = a.sliding_window
+        self.attention: str | None = None  # the paged kernel's implementation on CUDA (RunnerFactory.head_attention)
 
     def _logits(self, layer: MTPLayer, y: Tensor) -> Tensor:
         if layer.head is not None:
@@ -173,7 +176,7 @@ class MTPProposer(OwnCacheHead):
 
     def _run(self, j: int, seqs: list[SeqInput], h: Tensor, ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         batch = StepBatch.from_inputs(seqs, self.block_size)
-        meta, tok, pos = step_metadata(batch, self.block_size, self.device, self.window)
+        meta, tok, pos = step_metadata(batch, self.block_size, self.device, self.window, self.attention)
         emb = self.model.embed_tokens(tok if ids is None else ids)
         emb = emb.masked_fill((pos == 0)[:, None], 0)
         cos, sin = self.model.rotary.tables(pos, emb.dtype)
@@ -243,8 +246,8 @@ class MTPProposer(OwnCacheHead):
 def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
     """The MTP layers' weights (their tensors' headers in the target's checkpoint) and
     cache (one layer each, the target's attention shape), and the temporaries of a
-    round: the layers over a step's committed rows (eagerly, through the reference
-    attention's padded gather) and a draft step's logits (with sampling and q when
+    round: the layers over a step's committed rows (eagerly; their attention:
+    ``heads.head_attention_bytes``) and a draft step's logits (with sampling and q when
     probabilistic)."""
     if target.hf_dir is None or spec.model:
         return MemoryNeeds()  # the builder refuses method.model
@@ -260,7 +263,7 @@ def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memor
     tokens = max(engine.max_num_batched_tokens, B * (k + 1))  # rows a step may commit
     max_len = target.max_model_len + k
     rounds = (step_activation_bytes(a, tokens, B, dt) + 2 * tokens * 2 * a.hidden_size * dt
-              + padded_attention_bytes(B, max_len, k + 1, a.num_kv_heads, a.head_dim, dt))
+              + head_attention_bytes(target, engine, tokens, max_len, k + 1, a.num_kv_heads, a.head_dim))
     probabilistic = spec.rejection_sample_method == "probabilistic"
     if probabilistic:
         rounds += VERIFY_BYTES_PER_LOGIT * B * a.vocab_size
@@ -280,5 +283,7 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MTPProposer:
     e = ctx.engine
     log.info("mtp: %d MTP layer(s) in the %s layout; K=%d (steps beyond %d reuse the last layer)",
              n, layout, spec.num_speculative_tokens, n)
-    return MTPProposer(target, layers, spec.num_speculative_tokens, ctx.num_kv_blocks, e.block_size,
-                       probabilistic=spec.rejection_sample_method == "probabilistic")
+    proposer = MTPProposer(target, layers, spec.num_speculative_tokens, ctx.num_kv_blocks, e.block_size,
+                           probabilistic=spec.rejection_sample_method == "probabilistic")
+    proposer.attention = RunnerFactory.from_engine(e).head_attention(target)
+    return proposer

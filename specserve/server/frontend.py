@@ -64,7 +64,7 @@ class SamplingFields:
     stop: Any = None
     stop_token_ids: Any = None
     ignore_eos: Any = None
-    # Logits controls, log-probabilities and structured outputs (issue #13)
+    # Logits controls, log-probabilities and structured outputs
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None

@@ -170,13 +170,13 @@ def _response(
     )
     if out.finished:
         msg.finish_reason = _FINISH.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
-        s = out.spec
+        stats = out.spec
         msg.spec_decode.CopyFrom(
             pb.SpecDecodeStats(
-                num_drafts=s.num_drafts,
-                num_draft_tokens=s.num_draft_tokens,
-                num_accepted_tokens=s.num_accepted_tokens,
-                mean_acceptance_length=s.mean_acceptance_length,
+                num_drafts=stats.num_drafts,
+                num_draft_tokens=stats.num_draft_tokens,
+                num_accepted_tokens=stats.num_accepted_tokens,
+                mean_acceptance_length=stats.mean_acceptance_length,
             )
         )
     return msg

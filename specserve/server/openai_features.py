@@ -351,7 +351,7 @@ def _cumulative(out: RequestOutput) -> float:
     return sum(e.logprob for e in (out.logprobs or []))
 
 
-def _spec(outs: list[RequestOutput]) -> dict[str, Any]:
+def _spec_decode(outs: list[RequestOutput]) -> dict[str, Any]:
     """spec_decode of one request, or summed over the choices of a response."""
     d = sum(o.spec.num_drafts for o in outs)
     a = sum(o.spec.num_accepted_tokens for o in outs)
@@ -393,7 +393,7 @@ class Shaper:
         else:
             choices = [self._full_choice(j.index, j) for j in jobs]
         body = self._envelope("chat.completion" if self.chat else "text_completion")
-        body.update(choices=choices, usage=self.usage(jobs), spec_decode=_spec([j.last for j in jobs]))
+        body.update(choices=choices, usage=self.usage(jobs), spec_decode=_spec_decode([j.last for j in jobs]))
         return body
 
     def chunk(self, job: _Job, out: RequestOutput | None, include_usage: bool) -> dict[str, Any]:
@@ -403,12 +403,12 @@ class Shaper:
         if include_usage:
             body["usage"] = None
         if out is not None and out.finished:
-            body["spec_decode"] = _spec([out])
+            body["spec_decode"] = _spec_decode([out])
         return body
 
     def usage_chunk(self, jobs: list[_Job]) -> dict[str, Any]:
         body = self._chunk_envelope()
-        body.update(choices=[], usage=self.usage(jobs), spec_decode=_spec([j.last for j in jobs]))
+        body.update(choices=[], usage=self.usage(jobs), spec_decode=_spec_decode([j.last for j in jobs]))
         return body
 
     def usage(self, jobs: list[_Job]) -> dict[str, Any]:

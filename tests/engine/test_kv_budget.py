@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from engine_utils import tiny_config
 
-from specserve.engine.engine import draft_sizes
+from specserve.executor.batch import draft_sizes
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import load_model
 from specserve.proposers.base import TargetShape, memory_needs

@@ -231,7 +231,7 @@ def test_every_part_fits_the_device_budget(dirs, targets, name, B, K):
 def test_graph_outputs_shared_versus_one_set_per_graph(dirs, targets):
     """Llama-3.1-8B, max_num_seqs 128, no method, K = num_prediction_tokens = 16: one set
     of outputs per captured graph was 7.7 GiB live; the shared buffer is the largest's."""
-    from specserve.engine.engine import draft_sizes
+    from specserve.executor.batch import draft_sizes
     from specserve.executor.static_runner import batch_buckets
 
     a = targets["llama-3.1-8b"].arch
@@ -409,6 +409,29 @@ def test_runner_and_sampler_buffers_match_their_allocations(targets):
     assert got == M.graph_output_bytes(B * (K + 1), a, 2, num_aux=3)
     sampler = DeviceSampler(B, K, torch.device("meta"), transfer=NoEvents())
     assert sampler._staging.dev.nbytes == M.sampler_buffer_bytes(B, K)
+
+
+def test_a_heads_eager_forward_on_the_kernel_allocates_its_declared_arguments_and_no_padded_keys():
+    """A mixed step of the largest shape (a 2017-token prompt chunk beside 31 decode rows,
+    every context 8192 long), as an EAGLE head or MTP forward builds it on CUDA
+    (``attention.kernel_metadata``): its tensors are ``kernel_args_bytes``, no gathered
+    keys and no mask (the reference attention's padded group would be 32 x 2017 x 8192)."""
+    from specserve.executor.attention import kernel_metadata
+    from specserve.executor.batch import StepBatch
+
+    B, T, L, bs = 32, 2048, MAX_LEN, 16
+    chunk = T - (B - 1)
+    starts = [0] + [chunk + i for i in range(B)]
+    batch = StepBatch(
+        token_ids=[0] * T, positions=list(range(L - chunk, L)) + [L - 1] * (B - 1), slot_mapping=[0] * T,
+        query_start=starts, seq_lens=[L] * B, block_tables=[list(range(L // bs))] * B, logits_rows=[],
+        row_offsets=[0] * B, num_drafts=[0] * B,
+    )
+    meta, pos = kernel_metadata(batch, bs, torch.device("meta"), "triton")
+    k = meta.kernel
+    assert meta.padded is None and not meta.causal and k.max_query_len == chunk and k.max_seq_len == L
+    tensors = (meta.slot_mapping, pos, k.block_tables, k.query_start, k.seq_lens)
+    assert sum(t.nbytes for t in tensors) == M.kernel_args_bytes(B, T, L, bs)
 
 
 def test_every_graph_writes_into_one_output_buffer(tiny_llama):

@@ -72,7 +72,16 @@ def test_heads_draft_eagerly_where_their_target_replays_no_graphs():
     eager = [(RunnerFactory(), on("cpu")), (RunnerFactory(cuda_graphs="off"), on("cuda")),
              (RunnerFactory(), on("cuda", tp=object()))]
     for f, target in eager:  # None before anything of the head is touched
-        assert f.head_graphs(None, None, target, block_size=4, trash_slot=0, k=2, max_seq_len=16) is None
+        assert f.head_graphs(None, None, target, block_size=4, trash_slot=0, num_spec_tokens=2, max_seq_len=16) is None
+
+
+def test_heads_attend_through_the_kernel_their_target_uses_on_cuda():
+    """An EAGLE head's and MTP's eager forwards: the paged kernel (as the target's check
+    chose) on CUDA, so a prompt chunk beside decode rows pads nothing; the reference
+    attention on the CPU, as the CPU target."""
+    for backend in ("triton", "torch"):
+        assert RunnerFactory(attention_backend=backend).head_attention(on("cuda")) == backend
+        assert RunnerFactory(attention_backend=backend).head_attention(on("cpu")) is None
 
 
 # --------------------------------------------------------------------------- runners

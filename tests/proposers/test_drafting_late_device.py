@@ -104,9 +104,9 @@ def test_head_draft_steps_are_exact_when_the_device_runs_late(eagle3):
         eng = LLMEngine(cfg)
         p = eng.proposer
         if late:
-            p.static = HeadDraftGraphs(p.head, p.kv, block_size=p.block_size, trash_slot=p.trash_slot, k=K,
-                                       max_num_seqs=4, max_seq_len=eng.max_model_len, impl="torch",
-                                       use_graphs=False, transfer=dev)  # fmt: skip
+            p.static = HeadDraftGraphs(p.head, p.kv, block_size=p.block_size, trash_slot=p.trash_slot,
+                                       num_spec_tokens=K, max_num_seqs=4, max_seq_len=eng.max_model_len,
+                                       impl="torch", use_graphs=False, transfer=dev)  # fmt: skip
         drafts[late] = _recording(eng)
         with dev if late else nullcontext():
             outs = eng.generate(prompts, params)

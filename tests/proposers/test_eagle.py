@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from eagle_heads import make_bigram_target, write_head  # noqa: E402
-from engine_utils import draw_k_every_step, greedy, random_prompts, run, tiny_config  # noqa: E402
+from engine_utils import draw_k_every_step, greedy, head_forwards, random_prompts, record_drafts, run, tiny_config  # noqa: E402
 from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
 from specserve.config import Config, ModelConfig, SpeculativeConfig, validate_config  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
@@ -243,3 +243,34 @@ def test_prefix_cached_prompts(root, exact_bigram):
     eng, outs = _check_lossless(exact_bigram, head, "eagle", prompts, expected, max_tokens=16)
     assert eng.blocks.num_hit_tokens > 0
     assert sum(o.spec.num_accepted_tokens for o in outs) == sum(o.spec.num_draft_tokens for o in outs)
+
+
+def test_on_the_paged_kernel_a_prompt_chunk_beside_decode_rows_pads_nothing(root, target, monkeypatch):
+    """The head's forwards on the paged kernel (what CUDA runs: ``RunnerFactory.head_attention``;
+    here the kernel's torch twin): a step that commits a prompt chunk beside another request's
+    verified rows goes through the kernel, never through the reference attention's padded
+    group, and every round's drafts are those of the reference attention."""
+    head = write_head(root / "oracle-kernel", "eagle3", oracle=True, aux_ids=[0, 1, 1])
+    prompts = random_prompts(2, seed=5, lo=3, hi=6) + random_prompts(1, seed=6, lo=40, hi=41)
+    params = [greedy(24) for _ in prompts]
+    plain = run(engine(tiny_config(target)), prompts, params)
+    cfg = tiny_config(target, "eagle3", k=K, draft_dir=head)
+    cfg.engine.max_num_batched_tokens = 16  # the long prompt runs in chunks beside the short ones' rows
+    forwards = head_forwards(monkeypatch)
+    runs = {}
+    for attention in (None, "torch"):
+        eng = engine(cfg)
+        assert eng.proposer.attention is None  # the CPU's choice: the reference attention
+        eng.proposer.attention = attention
+        drafts = record_drafts(eng)
+        forwards.clear()
+        assert run(eng, prompts, params) == plain
+        assert eng.blocks.num_free == eng.blocks.num_blocks
+        runs[attention] = (drafts, list(forwards))
+    assert runs["torch"][0] == runs[None][0] and any(any(d) for d in runs["torch"][0])
+    assert {path for path, _, _ in runs[None][1]} == {"reference"}
+    kernel = runs["torch"][1]
+    assert {path for path, _, _ in kernel} == {"kernel"}
+    # a chunk longer than any verification, with context before it, beside another request's rows:
+    # the reference's padded group would be (sequences x the chunk's length x the longest context)
+    assert any(len(q) > 1 and any(n > K + 1 and ctx > n for n, ctx in zip(q, lens)) for _, q, lens in kernel)

@@ -6,11 +6,14 @@ captured as CUDA graphs on CUDA), checked on the CPU with the paged kernel's tor
   sequences near max_model_len wanting fewer than K drafts; every KV block comes back;
 * the loop compiles with ``torch.compile(fullgraph=True)`` (no graph break: no host
   synchronisation or data-dependent shape, what a CUDA graph needs) and gives the same
-  drafts compiled as eager.
+  drafts compiled as eager;
+* a batch bucket whose capture fails (injected, with a graph double standing in for
+  CUDA's) drafts eagerly from the same buffers, one warning at start-up, the same output.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -57,7 +60,7 @@ def _engine(target, head, method, static: bool) -> LLMEngine:
     eng = LLMEngine(cfg)
     if static:  # the head's persistent-buffer loop, run eagerly on the CPU
         p = eng.proposer
-        p.static = HeadDraftGraphs(p.head, p.kv, block_size=p.block_size, trash_slot=p.trash_slot, k=K,
+        p.static = HeadDraftGraphs(p.head, p.kv, block_size=p.block_size, trash_slot=p.trash_slot, num_spec_tokens=K,
                                    max_num_seqs=4, max_seq_len=eng.max_model_len, impl="torch", use_graphs=False)
     return eng
 
@@ -114,3 +117,65 @@ def test_draft_loop_compiles_without_graph_breaks(root, target):
         torch._dynamo.reset()
         compiled = torch.compile(st.loop_fn, fullgraph=True, dynamic=False)(2).clone()
     assert torch.equal(compiled, eager)
+
+
+class GraphDouble:
+    """A CPU stand-in for CUDA graphs (``HeadDraftGraphs.graphs_api``): capture runs the
+    loop once and keeps it; replay runs it again over the same static buffers."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def __call__(self):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def capture(self, fn):
+        outer, out = self, fn()
+
+        class Replay:
+            def replay(self):
+                outer.replays += 1
+                fn()
+
+        return Replay(), out
+
+
+def test_a_failed_capture_leaves_that_bucket_drafting_eagerly(root, target, caplog):
+    head = _heads(root, target)["eagle3"]
+    prompts = random_prompts(3, seed=4, hi=12)
+    params = [greedy(n) for n in (6, 14, 22)]  # the batch shrinks: buckets 4, 2 and 1 all draft
+    want = _engine(target, head, "eagle3", static=False).generate(prompts, params)
+    eng = _engine(target, head, "eagle3", static=True)
+    p, graphs = eng.proposer, GraphDouble()
+    st = HeadDraftGraphs(p.head, p.kv, block_size=p.block_size, trash_slot=p.trash_slot, num_spec_tokens=K,
+                         max_num_seqs=4, max_seq_len=eng.max_model_len, impl="torch", use_graphs=True,
+                         graphs_api=graphs)
+    capture_one = st._capture_one
+
+    def capture_or_fail(maker, bucket):
+        if bucket == 4:  # e.g. a stray synchronisation inside the loop
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return capture_one(maker, bucket)
+
+    st._capture_one = capture_or_fail
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        st.capture()  # start-up goes on
+    assert st.eager_buckets == [4] and set(st.graphs) == {1, 2}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["CUDA graph capture of the head's draft steps failed for 1 of 3 batch buckets [4] (first: "
+                        "RuntimeError: CUDA error: operation not permitted when stream is capturing); those rounds "
+                        "draft eagerly"]
+    p.static = st
+    buckets = []
+    loop_fn = st.loop_fn
+    st.loop_fn = lambda n: buckets.append(n) or loop_fn(n)  # every run of the loop, replayed or eager
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert [o.spec.num_accepted_tokens for o in outs] == [o.spec.num_accepted_tokens for o in want]
+    assert set(buckets) == {1, 2, 4}
+    assert graphs.replays == len(buckets) - buckets.count(4) > 0  # buckets 2 and 1 replayed, bucket 4 eagerly
+    assert eng.blocks.num_free == eng.blocks.num_blocks

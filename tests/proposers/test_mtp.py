@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import greedy, plain_outputs, random_prompts, sample_outputs, tiny_config, total_variation
+from engine_utils import (greedy, head_forwards, plain_outputs, random_prompts, record_drafts, sample_outputs,
+                          tiny_config, total_variation)
 from engine_utils import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
@@ -121,6 +122,36 @@ def test_chunked_prefill_and_preemption(targets, prompts):
     outs = eng.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts])
     assert [o.token_ids for o in outs] == ref
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_on_the_paged_kernel_a_prompt_chunk_beside_decode_rows_pads_nothing(targets, monkeypatch):
+    """The MTP layers' forwards on the paged kernel (what CUDA runs: ``RunnerFactory.head_attention``;
+    here the kernel's torch twin): a step that commits a prompt chunk beside another request's
+    verified rows goes through the kernel, never the reference attention's padded group, and
+    every round's drafts are those of the reference attention."""
+    model, k = targets["deepseek-qwen3-1"], 2
+    prompts = random_prompts(2, seed=5, lo=3, hi=6) + random_prompts(1, seed=6, lo=40, hi=41)
+    ref = plain_outputs(model, prompts, MAX_TOKENS)
+    cfg = tiny_config(model, "mtp", k=k)
+    cfg.engine.max_num_batched_tokens = 16  # the long prompt runs in chunks beside the short ones' rows
+    forwards = head_forwards(monkeypatch)
+    runs = {}
+    for attention in (None, "torch"):
+        eng = LLMEngine(cfg)
+        assert eng.proposer.attention is None  # the CPU's choice: the reference attention
+        eng.proposer.attention = attention
+        drafts = record_drafts(eng)
+        forwards.clear()
+        outs = eng.generate(prompts, [greedy(MAX_TOKENS) for _ in prompts])
+        assert [o.token_ids for o in outs] == ref
+        assert eng.proposer.blocks.num_free == eng.proposer.blocks.num_blocks
+        runs[attention] = (drafts, list(forwards))
+    assert runs["torch"][0] == runs[None][0] and any(any(d) for d in runs["torch"][0])
+    assert {path for path, _, _ in runs[None][1]} == {"reference"}
+    kernel = runs["torch"][1]
+    assert {path for path, _, _ in kernel} == {"kernel"}
+    # a chunk longer than any verification, with context before it, beside another request's rows
+    assert any(len(q) > 1 and any(n > k + 1 and ctx > n for n, ctx in zip(q, lens)) for _, q, lens in kernel)
 
 
 def test_probabilistic_sampled_drafts_keep_the_distribution(targets):

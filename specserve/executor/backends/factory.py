@@ -16,6 +16,12 @@ The rules, in order (a model is a ``LoadedModel``: its device, dtype and shard):
    is asked for (``auto``, ``fused``) and can run (bfloat16 on a CPU, with the kernel
    library), else the torch backend.  ``fused`` where it cannot run is refused.
 
+A head's own layers (an EAGLE head, MTP) run eagerly beside the target's runner:
+on CUDA they attend through the paged kernel the target's check chose
+(``head_attention``), and an EAGLE head's greedy draft steps replay CUDA graphs
+where the target's do (``head_graphs``; a bucket whose capture fails drafts
+eagerly).
+
 Each backend declares what it supports (``Runner.supports``): the factory reads
 those declarations rather than device names where it can.  Adding a backend is
 its module under ``executor/backends/`` and its line in these rules.
@@ -189,17 +195,25 @@ class RunnerFactory:
         log.info("the head's %d projections run on the fused CPU kernel", n)
         return n
 
-    def head_graphs(self, head: Any, kv: Any, target: LoadedModel, *, block_size: int, trash_slot: int, k: int,
-                    max_seq_len: int) -> Any:
+    def head_attention(self, target: LoadedModel) -> str | None:
+        """How the eager forwards of a head's own layers attend (an EAGLE head's, MTP's):
+        on CUDA through the paged kernel the target's check chose (``attention_backend``),
+        so a step committing a prompt chunk beside decode rows builds no padded keys or
+        masks; elsewhere None, the reference attention the CPU target runs too."""
+        return self.attention_backend if target.device.type == "cuda" else None
+
+    def head_graphs(self, head: Any, kv: Any, target: LoadedModel, *, block_size: int, trash_slot: int,
+                    num_spec_tokens: int, max_seq_len: int) -> Any:
         """A head's K greedy draft steps from persistent buffers, captured as one CUDA
         graph per batch bucket (``head_graphs.HeadDraftGraphs``), on the attention backend
-        the target's check chose; None where the head drafts eagerly (rule 2's graphs)."""
+        the target's check chose; None where the head drafts eagerly (rule 2's graphs).
+        A bucket whose capture fails drafts eagerly (one warning): start-up goes on."""
         if not self.plan(target).graphs:
             return None
         from specserve.executor.backends.head_graphs import HeadDraftGraphs
 
-        graphs = HeadDraftGraphs(head, kv, block_size=block_size, trash_slot=trash_slot, k=k,
-                                 max_num_seqs=self.max_num_seqs, max_seq_len=max_seq_len,
-                                 impl=self.attention_backend, use_graphs=True)  # fmt: skip
+        graphs = HeadDraftGraphs(head, kv, block_size=block_size, trash_slot=trash_slot,
+                                 num_spec_tokens=num_spec_tokens, max_num_seqs=self.max_num_seqs,
+                                 max_seq_len=max_seq_len, impl=self.attention_backend, use_graphs=True)  # fmt: skip
         graphs.capture()
         return graphs

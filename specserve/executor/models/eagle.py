@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specserve.executor.attention import AttentionMetadata, paged_attention
+from specserve.executor.attention import AttentionMetadata, write_and_attend
 from specserve.executor.models.llama import RMSNorm, Rotary, apply_rotary
 
 KINDS = ("eagle", "eagle3")
@@ -167,7 +167,7 @@ class EagleHead(nn.Module):
         residual, x = self.step_input(ids, hidden)
         cos, sin = self.rotary.tables(positions, x.dtype)
         q, k, v = self.layer.qkv(x, cos, sin)
-        attn = paged_attention(q, k, v, kv[0], kv[1], meta)  # (T, nh, hd)
+        attn = write_and_attend(q, k, v, kv[0], kv[1], meta)  # (T, nh, hd)
         return self.layer.output(residual, attn.reshape(attn.shape[0], -1))
 
     def logits(self, out: Tensor) -> Tensor:

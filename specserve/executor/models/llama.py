@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specserve.executor.attention import AttentionMetadata, paged_attention
+from specserve.executor.attention import AttentionMetadata, write_and_attend
 
 
 @dataclass
@@ -185,7 +185,7 @@ class DecoderLayer(nn.Module):
         qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
         k_cache, v_cache = kv.layer(self.layer_id)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta)  # (T, heads, hd)
+        attn = write_and_attend(q, k, v, k_cache, v_cache, meta)  # (T, heads, hd)
         x = x + self.o_proj(attn.reshape(T, self.q_size))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)

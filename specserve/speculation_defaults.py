@@ -1,7 +1,8 @@
-"""Config composition for draft heads (pure Python: json, no torch).
+"""The speculation a model implies, filled into a config before validation (pure
+Python: json, no torch).
 
-Two steps run before validation (``config.validate_config`` calls
-``compose_speculation``; this module reads the method registry, not the config):
+Two steps (``config.validate_config`` calls ``compose_speculation``; this module
+reads the method registry, not the config):
 
 1. A speculators checkpoint (vllm-project/speculators: ``config.json`` with
    ``speculators_config``) served as the model enables speculation by itself,
