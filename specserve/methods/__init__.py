@@ -34,6 +34,7 @@ from specserve.errors import ConfigError
 
 __all__ = [
     "MethodSpec",
+    "Q_VERIFICATION_METHODS",
     "REJECTION_METHODS",
     "SpeculativeConfig",
     "as_method_options",
@@ -49,6 +50,9 @@ __all__ = [
 
 # The values of method.rejection_sample_method: how drafts are verified (specserve.sampling.rejection).
 REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
+# The verification methods that read the drafts' distributions q: a proposer that can
+# sample its drafts from q does so (and hands q over) only under these.
+Q_VERIFICATION_METHODS = ("probabilistic",)
 
 
 @dataclass
@@ -69,6 +73,12 @@ class SpeculativeConfig:
     parallel_drafting: bool = False
     rejection_sample_method: str = "strict"
     synthetic_acceptance_rate: Optional[float] = None
+
+    @property
+    def samples_drafts(self) -> bool:
+        """Drafts are sampled from the drafter's q and verified against it (else argmax
+        drafts, verified strictly)."""
+        return self.rejection_sample_method in Q_VERIFICATION_METHODS
 
     def validate(self) -> None:
         """Check this method's own keys (a subclass's); raise ``ConfigError("method.<key>", ...)``.

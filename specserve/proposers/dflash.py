@@ -269,7 +269,7 @@ def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memor
     ctx_len = target.max_model_len + block  # one request's context and block, repeated to every query head
     repeat = 2 * ctx_len * (a.num_heads + a.num_kv_heads) * a.head_dim * dt
     blocks = step_activation_bytes(layer, B * block, B * (block - 1), dt) + repeat
-    probabilistic = spec.rejection_sample_method == "probabilistic"
+    probabilistic = spec.samples_drafts
     if probabilistic:
         blocks += VERIFY_BYTES_PER_LOGIT * B * t.vocab_size
     per_layer = kv_bytes_per_block(1, engine.block_size, a.num_kv_heads, a.head_dim, dt)
@@ -294,4 +294,4 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> DFlashProposer:
              ck.block_size, ck.target_layer_ids, spec.num_speculative_tokens)
     e = ctx.engine
     return DFlashProposer(ck, ctx.target, spec.num_speculative_tokens, ctx.num_kv_blocks, e.block_size,
-                          spec.rejection_sample_method == "probabilistic")
+                          spec.samples_drafts)

@@ -215,7 +215,7 @@ def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
     kv, trash = _head_kv(ctx, head)
     proposer = EagleProposer(
         head, k, kv, ctx.engine.block_size, kv_blocks,
-        probabilistic=spec.rejection_sample_method == "probabilistic", trash_slot=trash,
+        probabilistic=spec.samples_drafts, trash_slot=trash,
     )
     proposer.attention = runners.head_attention(t)
     proposer.static = runners.head_graphs(head, kv, t, block_size=ctx.engine.block_size, trash_slot=trash,
@@ -250,7 +250,7 @@ def eagle_memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) ->
     tokens = max(engine.max_num_batched_tokens, B * (k + 1))  # rows a step may commit
     consume = (step_activation_bytes(head, tokens, B, dt) + 2 * tokens * c.fc_in * dt
                + head_attention_bytes(target, engine, tokens, max_len, k + 1, c.num_kv_heads, c.head_dim))
-    probabilistic = spec.rejection_sample_method == "probabilistic"
+    probabilistic = spec.samples_drafts
     step = B * c.draft_vocab_size * (4 + dt)
     if probabilistic:  # the head's distribution under each request's filters, and q on the target vocabulary
         step += VERIFY_BYTES_PER_LOGIT * B * c.draft_vocab_size + B * a.vocab_size * 4

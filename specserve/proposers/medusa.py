@@ -287,7 +287,7 @@ def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memor
     dt, B, k = target.dtype_bytes, engine.max_num_seqs, spec.num_speculative_tokens
     lm_heads = 1 if c.shared_lm_head else c.num_heads
     params = c.num_heads * c.num_layers * (H * H + H) + lm_heads * c.head_vocab * H
-    probabilistic = spec.rejection_sample_method == "probabilistic"
+    probabilistic = spec.samples_drafts
     step = B * c.head_vocab * (4 + dt) + (VERIFY_BYTES_PER_LOGIT * B * V if probabilistic else 0)
     return MemoryNeeds(weight_bytes=params * dt, transient_bytes=step,
                        draft_probs_bytes=B * k * V * 4 if probabilistic else 0, aux_layers=1)
@@ -307,4 +307,4 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MedusaProposer:
     log.info("medusa: %d heads of %d blocks, K=%d%s", model.num_heads, len(model.blocks[0]),
              spec.num_speculative_tokens, f", {len(token_map)}-token draft vocabulary" if token_map is not None else "")
     return MedusaProposer(model, token_map, target, spec.num_speculative_tokens,
-                          spec.rejection_sample_method == "probabilistic")
+                          spec.samples_drafts)

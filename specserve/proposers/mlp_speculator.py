@@ -160,7 +160,7 @@ def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memor
     inner = inner or emb
     dt, B, k = target.dtype_bytes, engine.max_num_seqs, spec.num_speculative_tokens
     params = n * (2 * V * inner + 2 * inner) + emb * inner + (n - 1) * inner * inner  # emb, head, ln; proj
-    probabilistic = spec.rejection_sample_method == "probabilistic"
+    probabilistic = spec.samples_drafts
     step = B * V * (4 + dt) + (VERIFY_BYTES_PER_LOGIT * B * V if probabilistic else 0)
     return MemoryNeeds(weight_bytes=params * dt, transient_bytes=step,
                        draft_probs_bytes=B * k * V * 4 if probabilistic else 0, aux_layers=1)
@@ -180,4 +180,4 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MLPSpeculatorPropose
     log.info("mlp_speculator: %d stages, inner_dim %d, K=%d", model.n_predict, model.proj[0].out_features,
              spec.num_speculative_tokens)
     return MLPSpeculatorProposer(model, target, spec.num_speculative_tokens,
-                                 spec.rejection_sample_method == "probabilistic")
+                                 spec.samples_drafts)

@@ -264,7 +264,7 @@ def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memor
     max_len = target.max_model_len + k
     rounds = (step_activation_bytes(a, tokens, B, dt) + 2 * tokens * 2 * a.hidden_size * dt
               + head_attention_bytes(target, engine, tokens, max_len, k + 1, a.num_kv_heads, a.head_dim))
-    probabilistic = spec.rejection_sample_method == "probabilistic"
+    probabilistic = spec.samples_drafts
     if probabilistic:
         rounds += VERIFY_BYTES_PER_LOGIT * B * a.vocab_size
     return MemoryNeeds(
@@ -284,6 +284,6 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MTPProposer:
     log.info("mtp: %d MTP layer(s) in the %s layout; K=%d (steps beyond %d reuse the last layer)",
              n, layout, spec.num_speculative_tokens, n)
     proposer = MTPProposer(target, layers, spec.num_speculative_tokens, ctx.num_kv_blocks, e.block_size,
-                           probabilistic=spec.rejection_sample_method == "probabilistic")
+                           probabilistic=spec.samples_drafts)
     proposer.attention = RunnerFactory.from_engine(e).head_attention(target)
     return proposer
