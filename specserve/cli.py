@@ -12,22 +12,17 @@ exits 2: no traceback.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Callable
 
-from specserve.compose import UsageError, _cap_onednn_isa, check_device, compose_config
+from specserve.compose import UsageError, _cap_onednn_isa, check_device, compose_config, run_entry_point
 from specserve.config import Config
-from specserve.errors import SpecServeError
 
 
 def _run(argv: list[str] | None, body: Callable[[Config], int], prog: str = "specserve") -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(
-        level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
+
+    def run() -> int:
         cfg = compose_config(argv, prog)
         if cfg is None:
             return 0
@@ -41,11 +36,8 @@ def _run(argv: list[str] | None, body: Callable[[Config], int], prog: str = "spe
 
                 return run_worker(cfg)
         return body(cfg)
-    except (UsageError, SpecServeError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+
+    return run_entry_point(prog, run)
 
 
 def _serve(cfg: Config) -> int:

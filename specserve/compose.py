@@ -152,6 +152,23 @@ class UsageError(Exception):
     pass
 
 
+def run_entry_point(prog: str, body: Callable[[], int]) -> int:
+    """What every entry point does around its work: logging at ``$SPECSERVE_LOG_LEVEL``
+    (INFO), a user mistake printed as ONE line ``<prog>: error: ...`` with exit code 2,
+    and exit code 130 on Ctrl-C."""
+    import logging
+
+    logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return body()
+    except (UsageError, SpecServeError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
 def conf_dir() -> Path:
     env = os.environ.get("SPECSERVE_CONF_DIR")
     candidates = [Path(env)] if env else []

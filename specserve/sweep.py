@@ -35,7 +35,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 import platform
 import re
 import sys
@@ -415,15 +414,6 @@ def run_sweep(argv: list[str], runner: Runner | None = None) -> int:
 
 def main(argv: list[str]) -> int:
     """specserve-bench -m ...: the same one-line errors and exit code 2 as the other entry points."""
-    from specserve.compose import UsageError
-    from specserve.errors import SpecServeError
+    from specserve.compose import run_entry_point
 
-    logging.basicConfig(level=os.environ.get("SPECSERVE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return run_sweep(argv)
-    except (UsageError, SpecServeError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_entry_point(PROG, lambda: run_sweep(argv))
