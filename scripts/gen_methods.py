@@ -42,15 +42,15 @@ def _row(m: MethodSpec) -> str:
 
     weights = "`method.model` or `draft=`" if m.needs_model else "none"
     keys = ", ".join(f"`{k}`" for k in m.own_keys()) or "none"
-    cells = [f"`{m.name}`", m.summary, weights, yes(m.draft_probs), yes(m.parallel_drafting),
+    cells = [f"`{m.name}`", m.summary, weights, yes(m.draft_probs), yes(m.parallel_drafting), yes(m.tree),
              "yes" if m.tensor_parallel else "no (rank 0)", keys]
     return "| " + " | ".join(cells) + " |"
 
 
 def method_table() -> str:
     head = ("| `+method=` | drafts from | draft weights | samples drafts (q) | `parallel_drafting` | "
-            "draft shards with TP | its own `method.*` keys |")
-    return "\n".join([head, "|" + "---|" * 7, *(_row(m) for m in methods())])
+            "`method.tree` | draft shards with TP | its own `method.*` keys |")
+    return "\n".join([head, "|" + "---|" * 8, *(_row(m) for m in methods())])
 
 
 def readme(text: str) -> str:

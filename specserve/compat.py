@@ -253,8 +253,8 @@ def removed_knob_message(key: str, where: str) -> str:
     fix = f"LLM(model=..., speculative_config={SPEC_CONFIG_EXAMPLE})"
     if where == "SamplingParams":
         role = _knob_role(key, "speculative_config").replace("speculative decoding is", "it is")
-        return (f"SamplingParams({key}=...) does not exist (nor in vLLM): speculative decoding is set on the engine, "
-                f"not per request; {role}: {fix}")
+        return (f"SamplingParams({key}=...) does not exist (nor in vLLM): speculative decoding is set on the engine "
+                f"(a request may only lower its drafts: speculation={{'num_speculative_tokens': k}}); {role}: {fix}")
     origin = "nor in vLLM" if made_up else "vLLM removed it"
     return f"{where}({key}=...) is not an option ({origin}): {_knob_role(key, 'speculative_config')}: {fix}"
 

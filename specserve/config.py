@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from specserve.errors import ConfigError
-from specserve.methods import (REJECTION_METHODS, SpeculativeConfig, as_method_options, get_method, method_names,
-                               methods, option_keys, owners_of)
+from specserve.methods import (REJECTION_METHODS, SpeculativeConfig, TreeConfig, as_method_options, get_method,
+                               method_names, methods, option_keys, owners_of)
 from specserve.speculation_defaults import compose_speculation
 
 CPU_KERNELS = ("auto", "fused", "torch")  # engine.cpu_kernel
@@ -276,6 +276,51 @@ def validate_model(prefix: str, m: ModelConfig) -> None:
         _int(f"{prefix}.max_model_len", m.max_model_len, 1)
 
 
+MAX_TREE_TOKENS = 64  # a tree's verified tokens, root included (the attention's tree masks span 64 keys)
+
+
+def validate_tree(s: SpeculativeConfig, tp_size: int) -> None:
+    """Check ``method.tree`` (``TreeConfig``); with a tree, set K (``num_speculative_tokens``)
+    to ``num_draft_tokens - 1``, the drafts besides the root every step verifies."""
+    t = s.tree
+    if isinstance(t, dict):  # method_options(tree={...}) from Python
+        unknown = [k for k in t if k not in {f.name for f in fields(TreeConfig)}]
+        if unknown:
+            raise ConfigError(f"method.tree.{unknown[0]}",
+                              "no such key; method.tree has: topk, num_draft_tokens, depth")
+        t = s.tree = TreeConfig(**t)
+    if t is None:
+        s.tree = TreeConfig()
+        return
+    if not t.enabled:
+        return
+    if not get_method(s.method).tree:
+        able = ", ".join(m.name for m in methods() if m.tree)
+        raise ConfigError("method.tree", f"{s.method} drafts chains; only {able} draft trees")
+    for key in ("topk", "num_draft_tokens", "depth"):
+        if getattr(t, key) is None:
+            raise ConfigError(f"method.tree.{key}", "is required with a tree (topk, num_draft_tokens and depth)")
+        _int(f"method.tree.{key}", getattr(t, key), 1)
+    n, k, depth = t.num_draft_tokens, t.topk, t.depth
+    if not 2 <= n <= MAX_TREE_TOKENS:
+        raise ConfigError("method.tree.num_draft_tokens", f"must be in [2, {MAX_TREE_TOKENS}] (the root included), "
+                                                          f"got {n}")
+    most = 1 + sum(min(k**d, MAX_TREE_TOKENS) for d in range(1, min(depth, MAX_TREE_TOKENS) + 1))
+    if n > most:
+        raise ConfigError("method.tree.num_draft_tokens",
+                          f"must be <= {most}: a tree of topk {k} and depth {depth} holds {most - 1} drafts "
+                          f"besides its root, got {n}")
+    # The drafter attends over the nodes it expands: topk per step after the first.
+    if k * (min(depth, n - 1) - 1) > MAX_TREE_TOKENS:
+        raise ConfigError("method.tree.topk", f"topk x (depth - 1) must be <= {MAX_TREE_TOKENS} (the nodes a "
+                                              f"drafting step attends to), got {k} x {min(depth, n - 1) - 1}")
+    if s.rejection_sample_method == "synthetic":
+        raise ConfigError("method.tree", "does not combine with rejection_sample_method=synthetic (chains only)")
+    if tp_size > 1:
+        raise ConfigError("method.tree", f"needs parallelism.tensor_parallel_size=1 in this build, got {tp_size}")
+    s.num_speculative_tokens = n - 1
+
+
 def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[ModelConfig]) -> SpeculativeConfig:
     """Check the ``method`` section: the keys every method shares here, the method's own
     keys by its options class (``validate``), what it can do by its registration.
@@ -285,6 +330,7 @@ def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[Mod
         raise ConfigError(f"{p}.method", f"is required; one of {', '.join(method_names())}")
     method = get_method(s.method)
     s = as_method_options(s)
+    validate_tree(s, tp_size)
     if s.num_speculative_tokens is None:
         raise ConfigError(f"{p}.num_speculative_tokens", "is required (K, drafts per step, an integer > 0)")
     _int(f"{p}.num_speculative_tokens", s.num_speculative_tokens, 1)
@@ -474,6 +520,7 @@ def schema_keys(schema: type = Config, prefix: str = "", method: Optional[str] =
             chosen = get_method(method).options if method in method_names() else None
             keys = [k.name for k in fields(chosen)] if chosen is not None else option_keys()
             out += [f"{prefix}{f.name}.{key}" for key in keys]
+            out += [f"{prefix}{f.name}.tree.{t.name}" for t in fields(TreeConfig)]
         elif section is not None:
             out += schema_keys(section, f"{prefix}{f.name}.", method)
     return out

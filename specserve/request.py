@@ -65,6 +65,33 @@ class StructuredOutputsParams:
 
 
 @dataclass
+class SpeculationParams:
+    """A request's own speculative-decoding control (OpenAI's body field ``speculation``).
+
+    ``num_speculative_tokens``: the most drafts the request verifies per step, 0 .. the
+    server's K (``method.num_speculative_tokens``); 0 turns speculation off for this
+    request alone (it decodes as plain decoding does, and the method never sees it);
+    None leaves it to the server.
+    """
+
+    num_speculative_tokens: int | None = None
+
+    @classmethod
+    def from_dict(cls, value: Any, name: str = "speculation") -> SpeculationParams:
+        """From its wire form, an object of these fields; an unknown key names itself."""
+        if isinstance(value, SpeculationParams):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError(name, f"must be an object such as {{\"num_speculative_tokens\": 0}}, "
+                                            f"got {type(value).__name__}")
+        for key in value:
+            if key != "num_speculative_tokens":
+                shown = key if isinstance(key, str) and key.isprintable() and len(key) <= 64 else repr(key)[:64]
+                raise InvalidRequestError(f"{name}.{shown}", "is not a known key (known: num_speculative_tokens)")
+        return cls(num_speculative_tokens=value.get("num_speculative_tokens"))
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling controls (the names OpenAI and vLLM users know).
 
@@ -76,6 +103,7 @@ class SamplingParams:
     integer, signed or unsigned: [-2**63, 2**64 - 1].  ``max_tokens`` >= 1 (and
     <= the server's cap).  At most ``MAX_STOP_STRINGS`` stop strings of at most
     ``MAX_STOP_STRING_CHARS`` characters, at most ``MAX_STOP_TOKEN_IDS`` stop ids.
+    ``speculation.num_speculative_tokens`` in [0, the server's K] (``SpeculationParams``).
     """
 
     temperature: float = 1.0
@@ -114,6 +142,15 @@ class SamplingParams:
     # with requests of the same value (None: with the others that have none).  Set by the
     # server from the caller's API key and its `cache_salt` (an opaque digest, never the key).
     cache_salt: str | None = None
+    # Per-request speculation: a cap on this request's drafts per step (0 = off), or None
+    # for the server's choice.  A dict of SpeculationParams' fields is taken too.
+    speculation: SpeculationParams | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int | None:
+        """The request's cap on drafts per step (0: no speculation), None: the server's K."""
+        sp = self.speculation
+        return sp.num_speculative_tokens if isinstance(sp, SpeculationParams) else None
 
     @property
     def has_logits_processors(self) -> bool:
@@ -175,8 +212,32 @@ class SamplingParams:
                 raise InvalidRequestError("structured_outputs", "must be a StructuredOutputsParams")
             so.kind()
 
-    def validate(self, max_tokens_cap: int | None = None, vocab_size: int | None = None) -> "SamplingParams":
-        """Raise InvalidRequestError naming the first bad field; return self."""
+    def _validate_speculation(self, max_speculative_tokens: int | None) -> None:
+        """``speculation`` (part of ``validate``): a SpeculationParams (a dict becomes one)
+        whose cap is an integer in [0, max_speculative_tokens] (the server's K; 0 when the
+        server has no speculative method, so only 0 passes there)."""
+        if self.speculation is None:
+            return
+        self.speculation = SpeculationParams.from_dict(self.speculation)
+        k = self.speculation.num_speculative_tokens
+        if k is None:
+            return
+        name = "speculation.num_speculative_tokens"
+        _check_int(name, k)
+        if k < 0:
+            raise InvalidRequestError(name, f"must be >= 0 (0 turns speculation off for this request), got {k}")
+        if max_speculative_tokens is None or k <= max_speculative_tokens:
+            return
+        if max_speculative_tokens == 0:
+            raise InvalidRequestError(name, f"must be 0: this server runs no speculative method (it is started "
+                                            f"without +method=...), got {k}")
+        raise InvalidRequestError(name, f"must be in [0, {max_speculative_tokens}] (the server's "
+                                        f"num_speculative_tokens), got {k}")
+
+    def validate(self, max_tokens_cap: int | None = None, vocab_size: int | None = None,
+                 max_speculative_tokens: int | None = None) -> "SamplingParams":
+        """Raise InvalidRequestError naming the first bad field; return self.
+        ``max_speculative_tokens``: the server's K, the bound of ``speculation`` (None: unchecked)."""
         _check_number("temperature", self.temperature)
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise InvalidRequestError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
@@ -233,6 +294,7 @@ class SamplingParams:
                 raise InvalidRequestError("prediction", f"every token id must be < the vocabulary size ({vocab_size})")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidRequestError("cache_salt", "must be a non-empty string when given")
+        self._validate_speculation(max_speculative_tokens)
         return self
 
 

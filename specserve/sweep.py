@@ -23,8 +23,9 @@ Outputs go to the directory named by ``bench.output`` without its suffix
 * ``summary.json`` and ``summary.md``: one row per combination (method, K, mean
   acceptance length, acceptance rate, tokens per request step, tokens/s, plain
   decoding's tokens/s measured beside it, the speedup over it, greedy match with it);
-* ``sweep.png``: mean acceptance length and tokens/s against K, one line per
-  method (matplotlib, ``pip install 'specserve[plot]'``; skipped with a warning
+* ``sweep.png``: mean acceptance length and tokens/s against the tokens verified
+  per step (K + 1 for a chain, ``method.tree.num_draft_tokens`` for a tree), one line
+  per method and draft shape, chain or tree (matplotlib, ``pip install 'specserve[plot]'``; skipped with a warning
   when it is missing).
 """
 
@@ -242,6 +243,9 @@ def summary_row(job: Job, report: dict[str, Any]) -> dict[str, Any]:
         "params": job.params,
         "method": report["config"]["method"],
         "K": report["config"]["num_speculative_tokens"],
+        # tokens verified per request and step: K + 1 for a chain, num_draft_tokens for a tree
+        "verified_tokens": report["config"]["num_speculative_tokens"] + 1,
+        "shape": draft_shape(report["config"].get("method_config")),
         "mean_acceptance_length": spec.get("mean_acceptance_length", 1.0),
         "acceptance_rate": spec.get("acceptance_rate", 0.0),
         "tokens_per_step": spec.get("tokens_per_step"),
@@ -253,20 +257,34 @@ def summary_row(job: Job, report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def draft_shape(method_config: dict[str, Any] | None) -> str:
+    """"chain", or "tree topk=T depth=D" for a run with ``method.tree``."""
+    tree = (method_config or {}).get("tree") or {}
+    if not any(tree.get(k) is not None for k in ("topk", "num_draft_tokens", "depth")):
+        return "chain"
+    return f"tree topk={tree.get('topk')} depth={tree.get('depth')}"
+
+
+# swept keys that are the plot's x axis or its series' shape, not a series of their own
+_AXIS_KEYS = ("method", "method.method", "method.num_speculative_tokens", "method.tree.num_draft_tokens",
+              "method.tree.topk", "method.tree.depth")
+
+
 def _fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
 def summary_markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| run | method | K | mean AL | acceptance rate | tokens/step | tokens/s | plain tokens/s "
-             "| x plain decoding | greedy match |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| x plain decoding | greedy match | drafts | verified/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['run']} | {r['method']} | {r['K']} | {_fmt(r['mean_acceptance_length'], '.2f')} | "
             f"{_fmt(r['acceptance_rate'], '.3f')} | {_fmt(r.get('tokens_per_step'), '.2f')} | "
             f"{_fmt(r['tokens_per_second'], '.1f')} | {_fmt(r['vanilla_tokens_per_second'], '.1f')} | "
-            f"{_fmt(r['speedup_vs_vanilla'], '.2f')} | {_fmt(r['greedy_match_vs_vanilla'], '.2f')} |"
+            f"{_fmt(r['speedup_vs_vanilla'], '.2f')} | {_fmt(r['greedy_match_vs_vanilla'], '.2f')} | "
+            f"{r.get('shape', 'chain')} | {r.get('verified_tokens', r['K'] + 1)} |"
         )
     if any(r["vanilla_tokens_per_second"] for r in rows):
         lines.append("")
@@ -276,7 +294,9 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> bool:
-    """Mean AL and tokens/s against K, one line per method (and other swept values)."""
+    """Mean AL and tokens/s against the tokens verified per step (K + 1 for a chain,
+    num_draft_tokens for a tree), one line per method and draft shape (chain, or a tree's
+    topk and depth) and value of every other swept key."""
     try:
         import matplotlib
 
@@ -288,21 +308,22 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> bool:
     series: dict[str, list[dict[str, Any]]] = {}
     for r in rows:  # one line per method and value of every other swept key
         others = [f"{k.lstrip('+~').split('.')[-1]}={v}" for k, v in r["params"].items()
-                  if k.lstrip("+~") not in ("method", "method.method", "method.num_speculative_tokens")]
-        series.setdefault(" ".join([r["method"]] + others), []).append(r)
+                  if k.lstrip("+~") not in _AXIS_KEYS]
+        series.setdefault(" ".join([r["method"], r.get("shape", "chain")] + others), []).append(r)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for label, rs in series.items():
-        rs = sorted(rs, key=lambda r: r["K"])
-        ks = [r["K"] for r in rs]
+        rs = sorted(rs, key=lambda r: r["verified_tokens"])
+        ks = [r["verified_tokens"] for r in rs]
         ax1.plot(ks, [r["mean_acceptance_length"] for r in rs], marker="o", label=label)
         ax2.plot(ks, [r["tokens_per_second"] for r in rs], marker="o", label=label)
     van = [r["vanilla_tokens_per_second"] for r in rows if r["vanilla_tokens_per_second"]]
     if van:
         ax2.axhline(sum(van) / len(van), color="grey", linestyle="--", label="plain decoding")
-    ax1.set(xlabel="K (num_speculative_tokens)", ylabel="mean acceptance length", title="acceptance length")
-    ax2.set(xlabel="K (num_speculative_tokens)", ylabel="output tokens/s", title="throughput")
+    axis = "tokens verified per step (K + 1, or a tree's num_draft_tokens)"
+    ax1.set(xlabel=axis, ylabel="mean acceptance length", title="acceptance length")
+    ax2.set(xlabel=axis, ylabel="output tokens/s", title="throughput")
     for ax in (ax1, ax2):
-        ax.set_xticks(sorted({r["K"] for r in rows}))
+        ax.set_xticks(sorted({r["verified_tokens"] for r in rows}))
         ax.grid(alpha=0.3)
         ax.legend()
     if title:

@@ -169,3 +169,38 @@ def test_plain_decoding_is_measured_right_before_every_combination(tiny, tmp_pat
     assert "01-num_speculative_tokens=2 plain decoding: 100%" in err and "01-num_speculative_tokens=2: 100%" in err
     md = (tmp_path / "s" / "summary.md").read_text()
     assert "measured right before each run" in md
+
+
+def _tree_report(cfg, job: Job) -> dict:
+    report = _fake_report(cfg, job)
+    tree = cfg.method.tree
+    report["config"]["method_config"] = {"tree": {"topk": tree.topk, "num_draft_tokens": tree.num_draft_tokens,
+                                                  "depth": tree.depth}}
+    return report
+
+
+def test_a_sweep_of_chains_and_trees_is_plotted_against_verified_tokens(tmp_path, monkeypatch):
+    """Chains of K drafts and trees of num_draft_tokens verified tokens meet on one axis, the
+    tokens verified per step: a chain of K verifies K + 1, a tree num_draft_tokens."""
+    plotted = {}
+
+    def fake_plot(rows, path, title=""):
+        from collections import defaultdict
+
+        lines = defaultdict(list)
+        for r in rows:
+            lines[r["shape"]].append(r["verified_tokens"])
+        plotted.update(lines)
+        return False
+
+    monkeypatch.setattr(sweep, "plot", fake_plot)
+    chains = run_sweep(["+method=eagle3", "draft=smollm2-135m-eagle3", "method.num_speculative_tokens=3,5",
+                        f"bench.output={tmp_path}/c.json"], _tree_report)
+    assert chains == 0 and plotted == {"chain": [4, 6]}
+    plotted.clear()
+    trees = run_sweep(["+method=eagle3", "draft=smollm2-135m-eagle3", "method.tree.topk=2",
+                       "method.tree.depth=3", "method.tree.num_draft_tokens=4,6",
+                       f"bench.output={tmp_path}/t.json"], _tree_report)
+    assert trees == 0 and plotted == {"tree topk=2 depth=3": [4, 6]}
+    md = (tmp_path / "t" / "summary.md").read_text()
+    assert "| tree topk=2 depth=3 | 6 |" in md and "| tree topk=2 depth=3 | 4 |" in md

@@ -7,6 +7,12 @@ each request's sampling params and verify the drafts (``_verify``: a
 back the rest; emit per-request token deltas and metric events; then propose up
 to K (``num_spec_tokens``) drafts for every decoding request, verified next step.
 
+A request's drafts may be a tree (``method.tree``: ``Drafts.parents``): its nodes run
+as one sequence with tree masks, ``sampling.tree`` verifies it, and the accepted path's
+K/V is moved from its nodes' slots to the positions after the root before the next
+step (``_compact_trees``).  Requests whose verification needs logits controls draft
+chains beside them.
+
 A request's state is one ``RequestState`` in ``self.requests``
 (``engine.requests``): created on admission, torn down only by
 ``RequestTable.release``, which finishing (``_finish``: stop, length, abort,
@@ -41,17 +47,19 @@ from specserve.engine.spec_control import SpecController
 from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model, resolve_device
-from specserve.executor.batch import SeqInput, StepBatch, draft_sizes
+from specserve.executor.batch import SeqInput, StepBatch, draft_sizes, tree_depths
+from specserve.executor.batch import tree_masks as tree_attention_masks
 from specserve.executor.backends.factory import RunnerFactory
 from specserve.kernels.backends import choose_rejection
 from specserve.parallel.plan import draft_tensor_parallel_size
 from specserve.proposers import DraftRequest, Proposer, build_proposer
-from specserve.methods import get_method
+from specserve.methods import Q_VERIFICATION_METHODS, get_method
 from specserve.proposers.base import ProposerContext, TargetShape, memory_needs
 from specserve.proposers.prediction import PredictedOutputs
 from specserve.request import FinishReason, RequestOutput, SamplingParams
 from specserve.sampling.philox import random_seed, seed_to_int64
-from specserve.sampling.sampler import DeviceSampler, unpack
+from specserve.sampling.sampler import DeviceSampler, RequestTensors, unpack
+from specserve.sampling.tree import tree_inputs, unpack_trees, verify_trees
 from specserve.engine.step_controls import logprob_lists, plan_step
 from specserve.engine.memory import DeviceFigures, MemoryBudget, plan_memory
 from specserve.sampling.logits_controls import logprob_columns
@@ -161,8 +169,11 @@ class LLMEngine:
                 )
         self.aux_layer_ids: tuple[int, ...] = tuple(getattr(self.proposer, "aux_layer_ids", ()) or ())
         # Graphs capture decode (q = 1) and every verification size an adaptive step may choose.
+        # Draft trees (method.tree): steps carry tree masks; uniform tree steps are captured too.
+        trees = spec is not None and spec.tree is not None and spec.tree.enabled
         self.runner = runners.target(target, self.kv, graph_query_lens=(1, *(k + 1 for k in sizes)),
-                                     aux_layer_ids=self.aux_layer_ids, attention=attention)
+                                     aux_layer_ids=self.aux_layer_ids, attention=attention, trees=trees,
+                                     tree_query_lens=tuple(k + 1 for k in sizes) if trees else ())
         # Decode/verification steps padded to one draft length, so a captured graph fits.
         self.uniform_steps = plan.graphs
         # auto: adaptive with a method everywhere, and for Predicted Outputs alone on CUDA
@@ -213,7 +224,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         V = self.target.arch.vocab_size
-        params.validate(vocab_size=V)
+        params.validate(vocab_size=V, max_speculative_tokens=self.info.num_speculative_tokens)
         if any((not isinstance(t, int)) or t < 0 or t >= V for t in prompt_token_ids):
             raise InvalidRequestError("prompt_token_ids", f"every token id must be an integer in [0, {V})")
         n = len(prompt_token_ids)
@@ -320,11 +331,13 @@ class LLMEngine:
         if prompt_jobs:
             self._prompt_logprobs(prompt_jobs, fwd)
         self._verify(sched.scheduled, fwd)
+        self._compact_trees(sched.scheduled)
         outputs = self._commit(sched.scheduled)
         t1 = time.perf_counter()
-        self._propose_next(sched.scheduled, batch, fwd)
+        proposed = self._propose_next(sched.scheduled, batch, fwd)
+        # a step that proposed for no request says nothing about what proposing costs
         self.spec_control.observe_step(len(sched.scheduled), batch.uniform_query_len(), t1 - t0,
-                                       time.perf_counter() - t1)
+                                       time.perf_counter() - t1 if proposed else None)
         return outputs
 
     def _build_batch(self, scheduled: list[ScheduledSeq]) -> StepBatch:
@@ -334,6 +347,8 @@ class LLMEngine:
             new = seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d
             offsets = list(range(s.num_new_tokens - 1, len(new))) if s.sample else []
             inputs.append(SeqInput(new, seq.num_computed, seq.block_table, offsets, num_drafts=len(d)))
+            if s.drafts.parents is not None:
+                self._as_tree(inputs[-1], s.drafts.parents, self.target.arch.sliding_window)
         pad_to = None
         if self.uniform_steps and all(s.sample and s.num_new_tokens == 1 for s in scheduled):
             # A decode/verification step: pad drafts to one length so a captured graph fits.
@@ -342,6 +357,53 @@ class LLMEngine:
             inputs, self.kv.block_size, pad_to=pad_to, trash_slot=self.kv.trash_slot,
             max_position=self.max_model_len - 1,
         )
+
+    @staticmethod
+    def _as_tree(inp: SeqInput, parents: list[int], window: int | None = None) -> None:
+        """Make ``inp`` (the pending token, then the drafts) a tree's verification: node i at
+        rotary position start + its depth, attending to the context and its ancestors (those
+        within the target's sliding ``window``, as plain decoding sees them); its K/V still
+        goes to slot start + i (``_compact_trees`` moves the accepted path)."""
+        nodes = [-1] + [p + 1 for p in parents]  # the root is node 0
+        inp.positions = [inp.start_pos + d for d in tree_depths(nodes)]
+        inp.tree_base = inp.start_pos
+        inp.tree_masks = tree_attention_masks(nodes, window=window)
+
+    def _compact_trees(self, scheduled: list[ScheduledSeq]) -> None:
+        """Move each verified tree's accepted path from its nodes' slots to the positions
+        that follow its root (start + 1, start + 2, ...) in the target's layers, before
+        anything reads them: one gather and one copy on the device for the whole step."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.kv.block_size
+        for s in scheduled:
+            v = s.verified
+            if v is None or v.failure is not None or not v.path:
+                continue
+            table, root = s.seq.block_table, s.seq.num_computed  # not committed yet: the root's position
+            for k, i in enumerate(v.path):
+                if i != k:  # node i sits at root + 1 + i; it becomes the token at root + 1 + k
+                    src.append(table[(root + 1 + i) // bs] * bs + (root + 1 + i) % bs)
+                    dst.append(table[(root + 1 + k) // bs] * bs + (root + 1 + k) % bs)
+        if src:
+            idx = torch.tensor([src, dst], dtype=torch.int64).to(self.kv.data.device, non_blocking=True)
+            self.kv.move(idx[0], idx[1], self.target.arch.num_layers)
+
+    @staticmethod
+    def _may_draft_tree(seq: Sequence) -> bool:
+        """Trees are verified without logits controls: a request with a grammar, logprobs,
+        penalties, logit_bias or min_tokens drafts chains."""
+        p = seq.params
+        return p.logprobs is None and not p.has_logits_processors
+
+    @staticmethod
+    def _hidden_rows(s: ScheduledSeq, start: int, committed: int):
+        """The forward's rows of the tokens ``s`` committed: after a tree, its root and the
+        accepted path's nodes (wherever they sat in the step)."""
+        v = s.verified
+        if v is not None and v.path is not None:
+            return [start] + [start + 1 + i for i in v.path]
+        return range(start, start + committed)
 
     def _prompt_logprob_rows(self, scheduled: list[ScheduledSeq], batch: StepBatch) -> list[tuple]:
         """Requests with prompt_logprobs: logits rows for the prompt positions of this chunk,
@@ -393,31 +455,40 @@ class LLMEngine:
             compiled = self.grammar_backend.compile(so, self.cfg.server.grammar_max_chars)
         return compiled.new_state(grammar_field(so))
 
-    def _propose_next(self, scheduled: list[ScheduledSeq], batch: StepBatch, fwd) -> None:
+    def _propose_next(self, scheduled: list[ScheduledSeq], batch: StepBatch, fwd) -> bool:
         """Drafts for the next step, proposed now that this step is verified; a
-        proposer conditioned on the target reads this forward's states by row."""
+        proposer conditioned on the target reads this forward's states by row.
+        Returns whether anything was asked of the proposer."""
         if self.proposer is None and self.predictions is None:
-            return
-        num_drafts = self.spec_control.choose(sum(1 for s in scheduled if s.sample and not s.seq.finished))
+            return False
+        # A request with speculation off (its own num_speculative_tokens 0) is never handed to
+        # the proposer nor counted by the controller: it costs what plain decoding costs.
+        live = [(b, s) for b, s in enumerate(scheduled)
+                if not s.seq.finished and s.seq.params.num_speculative_tokens != 0]
+        num_drafts = self.spec_control.choose(sum(1 for _, s in live if s.sample))
         reqs: list[DraftRequest] = []
-        for b, s in enumerate(scheduled):
+        for b, s in live:
             seq = s.seq
-            if seq.finished:
-                continue
             committed = s.num_new_tokens + (s.verified.num_accepted if s.verified is not None else 0)
-            room = min(num_drafts, self.max_model_len - len(seq.token_ids) - 1) if s.sample else 0
+            cap = seq.params.num_speculative_tokens  # the request's own bound on K (None: none)
+            room = min(num_drafts, num_drafts if cap is None else cap,
+                       self.max_model_len - len(seq.token_ids) - 1) if s.sample else 0
             start = batch.query_start[b]
-            reqs.append(DraftRequest(seq, max(room, 0), range(start, start + committed)))
+            reqs.append(DraftRequest(seq, max(room, 0), self._hidden_rows(s, start, committed),
+                                     tree=self._may_draft_tree(seq)))
         if not reqs:
-            return
+            return False
         if self.predictions is not None:
             prop, from_prediction = self.predictions.propose(reqs, fwd, self.proposer, self.num_spec_tokens)
         else:
             prop, from_prediction = self.proposer.propose(reqs, fwd), [0] * len(reqs)
         for i, (r, toks, n_pred) in enumerate(zip(reqs, prop.token_ids, from_prediction)):
             if r.max_drafts > 0:
+                parents = prop.parents[i] if prop.parents is not None else None  # a tree's structure
                 self.requests[r.seq.request_id].drafts = Drafts(
-                    list(toks[: r.max_drafts]), prop.probs[i] if prop.probs is not None else None, n_pred)
+                    list(toks[: r.max_drafts]), prop.probs[i] if prop.probs is not None else None, n_pred,
+                    parents[: r.max_drafts] if parents is not None else None)
+        return True
 
     def _verify(self, scheduled: list[ScheduledSeq], fwd) -> None:
         """Verify every sampled entry of the step: each gets its ``Verified`` (the tokens it
@@ -454,6 +525,11 @@ class LLMEngine:
         (B, K+2) result back.  Random numbers are keyed by (request seed, output position,
         purpose), so a seeded request's tokens do not depend on its neighbours, on K or on
         adaptive speculation."""
+        if any(s.drafts.parents is not None for s, _, _ in todo):
+            self._verify_trees([t for t in todo if t[0].drafts.parents is not None], fwd)
+            todo = [t for t in todo if t[0].drafts.parents is None]
+            if not todo:
+                return
         entries = [s for s, _, _ in todo]
         rows = [row for _, row, _ in todo]
         temps, top_ks, top_ps, min_ps = zip(*(params for _, _, params in todo))
@@ -482,15 +558,33 @@ class LLMEngine:
         for s, v in zip(entries, results):
             s.verified = v
 
+    def _verify_trees(self, todo: list[tuple[ScheduledSeq, int, tuple[float, int, float, float]]], fwd) -> None:
+        """Verify the entries whose drafts are a tree (``sampling.tree``): greedy and strict
+        rows emit plain decoding's tokens, the other methods verify the siblings as
+        multiple drafts (target-only: a tree's drafts carry no q).  One packed result back."""
+        entries = [s for s, _, _ in todo]
+        seqs = [s.seq for s in entries]
+        drafts = [s.drafts.token_ids for s in entries]
+        temps, top_ks, top_ps, min_ps = zip(*(params for _, _, params in todo))
+        dev = self.target.device
+        trees = tree_inputs([row for _, row, _ in todo], drafts, [s.drafts.parents for s in entries], dev)
+        req = RequestTensors.build(temps, top_ks, top_ps, min_ps, [s.seed for s in seqs],
+                                   [s.num_output_tokens for s in seqs], dev)
+        method = "strict" if self.sampler.method == "strict" else "probabilistic"
+        packed = verify_trees(fwd.logits, trees, req, method=method)
+        host = self.sampler.copy_to_host(packed)
+        for s, (toks, a, path) in zip(entries, unpack_trees(host, drafts)):
+            s.verified = Verified(toks, a, path=path)
+
     def _draft_probs(self, entries: list[ScheduledSeq], drafts: list[list[int]]
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """For probabilistic verification: (B, K, V) q of each request's drafts where the
+        """For verification that reads q (probabilistic, block): (B, K, V) q of each request's drafts where the
         proposer sampled them from a distribution, and (B,) which rows have one (the
         others, argmax or copied drafts, are verified strictly); (None, None) when no
         request has any."""
         qs = [s.drafts.probs for s in entries]
         has_q = [q is not None and bool(d) for q, d in zip(qs, drafts)]
-        if self.sampler.method != "probabilistic" or not any(has_q):
+        if self.sampler.method not in Q_VERIFICATION_METHODS or not any(has_q):
             return None, None
         out = torch.zeros(len(entries), self.sampler.num_spec_tokens, self.target.arch.vocab_size,
                           device=self.target.device)

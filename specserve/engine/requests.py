@@ -50,10 +50,15 @@ class Drafts:
     # verification), or None when they are deterministic (one-hot q).
     probs: Any = None
     num_from_prediction: int = 0  # leading drafts that came from the request's Predicted Output
+    # A tree: the parent of each draft (an index into token_ids, -1 = the pending token;
+    # parents first), verified as a tree in one forward; None: a chain.
+    parents: list[int] | None = None
 
     def first(self, n: int) -> Drafts:
-        """The first ``n`` drafts (those the scheduler made room for this step)."""
-        return Drafts(self.token_ids[:n], self.probs, min(self.num_from_prediction, n))
+        """The first ``n`` drafts (those the scheduler made room for this step); a tree's
+        first ``n`` nodes are a tree too (parents come first)."""
+        parents = self.parents[:n] if self.parents is not None else None
+        return Drafts(self.token_ids[:n], self.probs, min(self.num_from_prediction, n), parents)
 
 
 @dataclass
@@ -66,6 +71,8 @@ class Verified:
     # A failure of this request alone (its neighbours carry on), and what the engine was doing.
     failure: Exception | None = None
     stage: str = ""
+    # A tree's accepted drafts, as indexes into its drafts (root to leaf); None for a chain.
+    path: list[int] | None = None
 
     @classmethod
     def failed(cls, stage: str, exc: Exception) -> Verified:

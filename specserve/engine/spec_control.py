@@ -95,12 +95,15 @@ class SpecController:
         for key, seconds in table.items():
             self.step_cost.setdefault(key, _Ema()).add(seconds)
 
-    def observe_step(self, batch_size: int, q: int | None, step_s: float, propose_s: float) -> None:
+    def observe_step(self, batch_size: int, q: int | None, step_s: float, propose_s: float | None) -> None:
+        """One step's costs; ``propose_s`` None when the step proposed for no request (all
+        finished, or all with speculation off)."""
         if batch_size == 0:
             return
         if q is not None:  # only fixed-shape steps say what a (bucket, q) costs
             self.step_cost.setdefault((self.bucket(batch_size), q), _Ema()).add(step_s)
-        self.propose_cost.setdefault(self.num_drafts, _Ema()).add(propose_s)
+        if propose_s is not None:
+            self.propose_cost.setdefault(self.num_drafts, _Ema()).add(propose_s)
 
     def bucket(self, batch_size: int) -> int:
         """The batch bucket whose costs a batch of ``batch_size`` requests reads and updates."""

@@ -11,7 +11,10 @@ by the step's ``AttentionMetadata``:
   slot index, with a mask built from absolute positions (key j is visible to a
   query at position p iff j <= p, and p - j < window when a sliding window is
   set).  The group is padded to (sequences, longest query, longest context):
-  a prompt chunk beside decode rows makes it that large;
+  a prompt chunk beside decode rows makes it that large.  A sequence with a
+  draft tree (``StepBatch.tree_base`` / ``tree_masks``) always joins the group:
+  its keys before tree_base follow the rule above by the query's rotary
+  position, its keys from tree_base on are visible by the query's bitmask;
 * the paged kernel (``kernels.paged_attention``, Triton or its torch twin) over
   block tables: ``PagedKernelArgs``, from the step runner's persistent buffers
   or, for an eager forward, from ``kernel_metadata``.  Nothing is gathered or
@@ -27,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from specserve.executor.batch import int64_masks
 
 
 @dataclass
@@ -70,6 +75,10 @@ class PagedKernelArgs:
     scratch: tuple[Tensor, Tensor] | None = None
     impl: str = "auto"  # "triton", or "torch" = the twin: what the runner's start-up check chose
     window: int | None = None  # sliding window
+    # Draft trees (the kernel's TREE binary); all None for a step without trees.
+    tree_base: Tensor | None = None  # (B,) int32
+    tree_masks: Tensor | None = None  # (T,) int64
+    tree_positions: Tensor | None = None  # (T,) int64: the step's rotary positions
 
 
 @dataclass
@@ -91,6 +100,7 @@ def build_padded_group(
     block_size: int,
     window: int | None,
     device: torch.device,
+    tree: "TreeInputs | None" = None,
 ) -> PaddedGroup:
     B = len(q_lens)
     Q = max(q_lens)
@@ -103,9 +113,12 @@ def build_padded_group(
     # Absolute position of each query: the new tokens are the last q_len of the context.
     q_pos = (ctx_t - q_len_t)[:, None] + ar_q[None, :]  # (B, Q)
     k_pos = torch.arange(L, dtype=torch.int64)  # (L,)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_t[:, None, None])
-    if window is not None:
-        mask &= q_pos[:, :, None] - k_pos[None, None, :] < window
+    if tree is not None:
+        mask = _tree_mask(tree, q_index, q_pos, k_pos, ctx_t, window)
+    else:
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx_t[:, None, None])
+        if window is not None:
+            mask &= q_pos[:, :, None] - k_pos[None, None, :] < window
     nblk = (L + block_size - 1) // block_size
     bt = torch.zeros(B, nblk, dtype=torch.int64)
     for b, table in enumerate(block_tables):
@@ -123,6 +136,32 @@ def build_padded_group(
         B=B, Q=Q, L=L,
         dense_offset=q_starts[0] if dense else None,
     )
+
+
+@dataclass
+class TreeInputs:
+    """A padded group's draft-tree inputs: what its mask is built from."""
+
+    tree_base: list[int]  # per group sequence; its context length when it has no tree
+    positions: Tensor  # (T,) int64 rotary positions of the step's tokens
+    masks: Tensor  # (T,) int64 bitmasks over [tree_base, ctx) of the step's tokens
+
+
+def _tree_mask(tree: TreeInputs, q_index: Tensor, q_pos: Tensor, k_pos: Tensor, ctx_t: Tensor,
+               window: int | None) -> Tensor:
+    """(B, Q, L) visibility of a group holding tree sequences.  Keys before a sequence's
+    tree_base: causal and windowed by the query's rotary position (its context index when
+    the sequence has no tree, as without trees); keys in [tree_base, ctx): by the bitmask."""
+    base = torch.tensor(tree.tree_base, dtype=torch.int64)[:, None, None]  # (B, 1, 1)
+    has_tree = base[:, :, 0] < ctx_t[:, None]  # (B, 1)
+    vis_pos = torch.where(has_tree, tree.positions[q_index], q_pos)[:, :, None]  # (B, Q, 1)
+    kp = k_pos[None, None, :]
+    before = (kp < base) & (kp <= vis_pos)
+    if window is not None:
+        before &= vis_pos - kp < window
+    bit = (kp - base).clamp(0, 63)
+    in_tree = (kp >= base) & (kp < ctx_t[:, None, None]) & ((tree.masks[q_index][:, :, None] >> bit) & 1).bool()
+    return before | in_tree
 
 
 def write_and_attend(
@@ -188,6 +227,7 @@ def _kernel_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache:
         q, k_cache, v_cache, a.block_tables, a.query_start, a.seq_lens, block_size=a.block_size, scale=scale,
         sliding_window=a.window, max_query_len=a.max_query_len,
         max_seq_len=a.max_seq_len, num_splits=a.num_splits, scratch=a.scratch, impl=a.impl,
+        tree_base=a.tree_base, tree_masks=a.tree_masks, positions=a.tree_positions,
     )
 
 
@@ -198,18 +238,25 @@ def batch_metadata(batch, block_size: int, device: torch.device, window: int | N
     attend causally among them; the others read their cached positions through a padded
     group."""
     causal: list[CausalGroup] = []
-    starts, lens, ctx, tables = [], [], [], []
+    starts, lens, ctx, tables, bases = [], [], [], [], []
     qs = batch.query_start
+    tree_base = batch.tree_base
     for b, n_ctx in enumerate(batch.seq_lens):
         s, n = qs[b], qs[b + 1] - qs[b]
-        if n_ctx == n and n >= min_causal_len and (window is None or n <= window):
+        fresh = tree_base is None or tree_base[b] >= n_ctx
+        if fresh and n_ctx == n and n >= min_causal_len and (window is None or n <= window):
             causal.append(CausalGroup(start=s, length=n))
         else:
             starts.append(s)
             lens.append(n)
             ctx.append(n_ctx)
             tables.append(batch.block_tables[b])
-    padded = build_padded_group(starts, lens, ctx, tables, block_size, window, device) if lens else None
+            bases.append(n_ctx if tree_base is None else tree_base[b])
+    tree = None
+    if batch.tree_masks is not None and any(b < c for b, c in zip(bases, ctx)):
+        tree = TreeInputs(tree_base=bases, positions=torch.tensor(batch.positions, dtype=torch.int64),
+                          masks=torch.tensor(int64_masks(batch.tree_masks), dtype=torch.int64))
+    padded = build_padded_group(starts, lens, ctx, tables, block_size, window, device, tree) if lens else None
     meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
                              causal=causal, padded=padded)
     return meta, torch.tensor(batch.positions, dtype=torch.int64, device=device)
@@ -220,18 +267,24 @@ def kernel_metadata(batch, block_size: int, device: torch.device, impl: str, win
     """(attention metadata, positions (T,)) for an eager forward over a ``StepBatch`` on the
     paged kernel (``impl``: "triton" or the twin "torch", as the target's check chose):
     each sequence's block table cut to its context, its query start and length as int32
-    tensors made for this batch (no persistent buffers), one launch without split-KV."""
+    tensors made for this batch (no persistent buffers), one launch without split-KV; a step
+    with draft trees adds its tree bases, masks and positions (the TREE binary)."""
     qs, lens = batch.query_start, batch.seq_lens
     need = [-(-n // block_size) for n in lens]
     width = max(need, default=1) or 1
     tables = [list(t[:n]) + [0] * (width - min(len(t), n)) for t, n in zip(batch.block_tables, need)]
     i32 = dict(dtype=torch.int32, device=device)
+    positions = torch.tensor(batch.positions, dtype=torch.int64, device=device)
+    tree = batch.tree_masks is not None
     args = PagedKernelArgs(
         block_tables=torch.tensor(tables, **i32).view(len(lens), width), query_start=torch.tensor(qs, **i32),
         seq_lens=torch.tensor(lens, **i32), block_size=block_size,
         max_query_len=max((qs[b + 1] - qs[b] for b in range(len(lens))), default=0),
         max_seq_len=max(lens, default=0), num_splits=1, impl=impl, window=window,
+        tree_base=torch.tensor(batch.tree_base, **i32) if tree else None,
+        tree_masks=torch.tensor(int64_masks(batch.tree_masks), dtype=torch.int64, device=device) if tree else None,
+        tree_positions=positions if tree else None,
     )
     meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
                              kernel=args)
-    return meta, torch.tensor(batch.positions, dtype=torch.int64, device=device)
+    return meta, positions

@@ -1,5 +1,5 @@
 """The paged KV cache tensors (the data-plane half; accounting lives in
-``specserve.kv_blocks``)."""
+``specserve.kv_blocks``), and moving K/V between slots (a draft tree's accepted path)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,15 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         return self._layers[i]
+
+    def move(self, src: Tensor, dst: Tensor, num_layers: int | None = None) -> None:
+        """Copy the K and V of slots ``src`` to slots ``dst`` ((n,) int64 on the cache's
+        device) in the first ``num_layers`` layers (None: all): one gather and one index
+        copy on the device.  Every source is read before any destination is written, so
+        the two may overlap.  A draft tree's accepted path moves this way from its nodes'
+        slots to the positions that follow its root."""
+        data = self.data if num_layers is None else self.data[:num_layers]
+        data.index_copy_(2, dst, data.index_select(2, src))
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -2,7 +2,8 @@
 
 Per step the host writes the ``StepBatch`` into a pinned staging buffer
 (int32: token ids, positions, slots, logits rows, query starts, context
-lengths, block tables, at fixed offsets), and ONE non-blocking copy moves it to
+lengths, block tables, and for a runner built with ``trees`` the tree bases and
+int64 tree masks, at fixed offsets), and ONE non-blocking copy moves it to
 the same layout on the device.  That copy reads the host buffer when the stream
 reaches it, so ``StagingBuffer`` alternates two host buffers and rewrites one
 only after the event recorded behind its previous copy (two steps ago) has
@@ -17,7 +18,11 @@ Steps whose shape is fixed by the batch size -- a decode step (every sequence
 1 new token) and a uniform verification step (every sequence q = K'+1 tokens,
 shorter drafts padded) -- are captured as CUDA graphs for batch buckets
 1, 2, 4, ..., max_num_seqs and each captured q; a step replays the smallest
-bucket that fits.  Every graph writes its logits, hidden and aux states into ONE
+bucket that fits.  A uniform step with draft trees (``StepBatch.tree_masks``:
+every sequence q tokens, some of them tree nodes) is a shape of its own, captured
+for each q of ``tree_query_lens`` (the kernel's TREE binary reads the staged tree
+bases and masks); its graphs are kept apart from the chains' (``tree_graphs``).
+Every graph writes its logits, hidden and aux states into ONE
 set of output buffers sized for the largest (a graph's own outputs would stay
 alive in the pool, one set per graph).  Padding rows of a bucket are sequences
 with no tokens (qlen 0), whose K/V writes go to the cache's trash slot.  Mixed
@@ -52,7 +57,7 @@ import torch
 from torch import Tensor
 
 from specserve.executor.attention import AttentionMetadata, PagedKernelArgs
-from specserve.executor.batch import StepBatch, batch_bucket
+from specserve.executor.batch import StepBatch, batch_bucket, int64_masks
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel
 from specserve.executor.staging import StagingBuffer, Transfer
@@ -99,6 +104,8 @@ class StaticStepRunner:
         max_num_seqs: int,
         max_num_tokens: int,
         graph_query_lens: tuple[int, ...] = (1,),
+        tree_query_lens: tuple[int, ...] = (),
+        trees: bool | None = None,
         aux_layer_ids: tuple[int, ...] = (),
         attention_impl: str | BackendChoice = "auto",
         use_graphs: bool | None = None,
@@ -115,9 +122,13 @@ class StaticStepRunner:
         self.max_blocks = -(-self.max_seq_len // kv.block_size) + 1
         self.max_num_seqs = max_num_seqs
         self.graph_query_lens = tuple(sorted(set(graph_query_lens)))
+        self.tree_query_lens = tuple(sorted(set(tree_query_lens)))
+        # ``trees``: steps may carry draft trees (their kernel binaries are compiled at
+        # start-up); on by default when tree steps are captured
+        self.trees = bool(self.tree_query_lens) if trees is None else trees
         self.buckets = batch_buckets(max_num_seqs)
         # Uniform steps of the largest bucket and q must fit too.
-        self.max_tokens = max(max_num_tokens, max_num_seqs * max(self.graph_query_lens))
+        self.max_tokens = max(max_num_tokens, max_num_seqs * max(self.graph_query_lens + self.tree_query_lens))
         self.aux_layer_ids = tuple(aux_layer_ids)
         # the kernels or their torch twin: checked on this geometry at start-up (kernels.backends),
         # or a choice the caller checked on it already
@@ -140,12 +151,17 @@ class StaticStepRunner:
         self.warm_up_s = 0.0
         self.eager_keys: list[tuple[int, int]] = []  # graph keys whose capture failed: they run eagerly
         B, T = max_num_seqs, self.max_tokens
-        # ``transfer``: on the CPU, a separate device buffer filled by that copier (tests)
-        self.staging = StagingBuffer([("ids", T), ("pos", T), ("slots", T), ("rows", T), ("qs", B + 1),
-                                      ("lens", B), ("tables", (B, self.max_blocks))], self.device, transfer)
+        # ``transfer``: on the CPU, a separate device buffer filled by that copier (tests); the
+        # tree fields travel in the same buffer, so the staging-race protection covers them
+        fields = [("ids", T), ("pos", T), ("slots", T), ("rows", T), ("qs", B + 1), ("lens", B),
+                  ("tables", (B, self.max_blocks))]
+        if self.trees:
+            fields += [("tbase", B), ("tmask", T, torch.int64)]
+        self.staging = StagingBuffer(fields, self.device, transfer)
         self.d = self.staging.d
         self.tables = self.d["tables"]
         self.graphs: dict[tuple[int, int], tuple[Any, StepResult]] = {}  # (bucket, q) -> (graph, outputs)
+        self.tree_graphs: dict[tuple[int, int], tuple[Any, StepResult]] = {}  # the same, steps with trees
         self.outputs: StepResult | None = None  # the graphs' shared output buffers (capture)
         self._scratch: tuple[Tensor, Tensor] | None = None
         self.capture_s = 0.0
@@ -171,6 +187,11 @@ class StaticStepRunner:
         h["lens"][B:num_seqs] = 0
         for b, table in enumerate(batch.block_tables):
             h["tables"][b, : len(table)] = table
+        if batch.tree_masks is not None:
+            h["tbase"][:B] = batch.tree_base
+            h["tbase"][B:num_seqs] = 0  # context 0: no tree
+            h["tmask"][:T] = int64_masks(batch.tree_masks)
+            h["tmask"][T:num_tokens] = 0
 
     def _upload(self) -> None:
         self.staging.upload()  # the step's one host -> device copy (non-blocking)
@@ -194,19 +215,22 @@ class StaticStepRunner:
         return self._scratch
 
     def step_fn(self, num_seqs: int, num_tokens: int, max_query_len: int, num_rows: int | None,
-                out: StepResult | None = None) -> StepResult:
+                out: StepResult | None = None, tree: bool = False) -> StepResult:
         """The forward over the static buffers: shapes fixed by these ints only.
         ``num_rows`` None = logits of every token row (uniform steps).  ``out``: the
         shared output buffers (``alloc_outputs``): the results are written into their
-        first rows and views of them returned (what captured graphs do)."""
+        first rows and views of them returned (what captured graphs do).  ``tree``: the
+        step carries draft trees (staged tree bases and masks; never split-KV)."""
         d = self.d
         ids = d["ids"][:num_tokens].long()
         pos = d["pos"][:num_tokens].long()
-        splits = self._num_splits(num_seqs, max_query_len)
+        splits = 1 if tree else self._num_splits(num_seqs, max_query_len)
         kargs = PagedKernelArgs(
             block_tables=self.tables[:num_seqs], query_start=d["qs"][: num_seqs + 1], seq_lens=d["lens"][:num_seqs],
             block_size=self.block_size, max_query_len=max_query_len, max_seq_len=self.max_seq_len,
             num_splits=splits, scratch=self._scratch_for(splits), impl=self.impl, window=self.a.sliding_window,
+            tree_base=d["tbase"][:num_seqs] if tree else None, tree_masks=d["tmask"][:num_tokens] if tree else None,
+            tree_positions=pos if tree else None,
         )
         meta = AttentionMetadata(slot_mapping=d["slots"][:num_tokens].long(), kernel=kargs)
         hidden, aux = self.model(ids, pos, meta, self.kv, self.aux_layer_ids)
@@ -222,7 +246,7 @@ class StaticStepRunner:
         """ONE set of output buffers for every captured graph, sized for the largest
         (bucket x q rows): a graph's outputs would otherwise stay alive in the pool, one
         set per graph (``engine.memory.graph_output_bytes`` counts this one)."""
-        rows = self.max_num_seqs * max(self.graph_query_lens)
+        rows = self.max_num_seqs * max(self.graph_query_lens + self.tree_query_lens)
         a, dev, dt = self.a, self.device, self.loaded.dtype
         return StepResult(
             logits=torch.empty(rows, a.vocab_size, dtype=torch.float32, device=dev),  # (R, V)
@@ -232,8 +256,11 @@ class StaticStepRunner:
 
     # ------------------------------------------------------------------ public
     def graph_key(self, batch: StepBatch) -> tuple[int, int] | None:
+        """(bucket, q) of the graph that runs ``batch``: in ``graphs``, or in ``tree_graphs``
+        for a step with draft trees; None for a step that runs eagerly."""
         q = batch.uniform_query_len()
-        if q is None or q not in self.graph_query_lens or batch.num_seqs > self.max_num_seqs:
+        lens = self.tree_query_lens if batch.tree_masks is not None else self.graph_query_lens
+        if q is None or q not in lens or batch.num_seqs > self.max_num_seqs:
             return None
         bucket = batch_bucket(batch.num_seqs, self.max_num_seqs)
         return bucket, q
@@ -244,16 +271,20 @@ class StaticStepRunner:
         the device (a drafter feeding its own argmax back): they replace
         ``batch.token_ids`` without a trip through the host."""
         key = self.graph_key(batch)
-        if key is not None and key in self.graphs:
+        tree = batch.tree_masks is not None
+        graphs = self.tree_graphs if tree else self.graphs
+        if key is not None and key in graphs:
             bucket, q = key
             self._stage(batch, bucket, bucket * q)
             self._upload()
             if device_token_ids is not None:
                 self.d["ids"][: batch.num_tokens].copy_(device_token_ids)
-            graph, out = self.graphs[key]
+            graph, out = graphs[key]
             graph.replay()
             n = batch.num_tokens
             return StepResult(out.logits[:n], out.hidden[:n], {i: t[:n] for i, t in out.aux.items()})
+        if tree and not self.trees:
+            raise ValueError("tree_masks: this step runner was built without trees=True (no tree buffers)")
         if batch.num_tokens > self.max_tokens or batch.num_seqs > self.max_num_seqs:
             raise ValueError(f"step of {batch.num_tokens} tokens / {batch.num_seqs} sequences exceeds the "
                              f"runner's buffers ({self.max_tokens} / {self.max_num_seqs})")
@@ -263,7 +294,7 @@ class StaticStepRunner:
             self.d["ids"][: batch.num_tokens].copy_(device_token_ids)
         q = batch.uniform_query_len()
         rows = None if q is not None else len(batch.logits_rows)
-        return self.step_fn(batch.num_seqs, batch.num_tokens, batch.max_query_len, rows)
+        return self.step_fn(batch.num_seqs, batch.num_tokens, batch.max_query_len, rows, tree=tree)
 
     # ------------------------------------------------------------------ start-up
     def kernel_launches(self) -> list[Launch]:
@@ -276,7 +307,7 @@ class StaticStepRunner:
                               self.loaded.dtype)
         shapes = runner_step_shapes(g, max_num_seqs=self.max_num_seqs, max_tokens=self.max_tokens,
                                     graph_query_lens=self.graph_query_lens, max_seq_len=self.max_seq_len,
-                                    split_kv=self.cuda)
+                                    split_kv=self.cuda, trees=self.trees, tree_query_lens=self.tree_query_lens)
         return runner_launches(g, shapes, self.device, interpreter_active())
 
     def warm_up(self, progress: bool = True) -> int:
@@ -324,7 +355,8 @@ class StaticStepRunner:
         t0 = time.perf_counter()
         maker = self.graphs_api()
         self.outputs = self.alloc_outputs()
-        keys = [(b, q) for q in self.graph_query_lens for b in self.buckets]
+        keys = [(b, q, False) for q in self.graph_query_lens for b in self.buckets]
+        keys += [(b, q, True) for q in self.tree_query_lens for b in self.buckets]
         keys.sort(key=lambda k: k[0] * k[1], reverse=True)
         bar = None
         if progress:
@@ -332,11 +364,14 @@ class StaticStepRunner:
 
             bar = tqdm(total=len(keys), desc="capturing CUDA graphs", unit="graph")
         failed: list[tuple[tuple[int, int], Exception]] = []
-        for key in keys:
+        for bucket, q, tree in keys:
             try:
-                self.graphs[key] = self._capture_one(maker, *key)
+                if tree:
+                    self.tree_graphs[bucket, q] = self._capture_one(maker, bucket, q, tree=True)
+                else:
+                    self.graphs[bucket, q] = self._capture_one(maker, bucket, q)
             except Exception as exc:  # this key runs eagerly; the others keep their graphs
-                failed.append((key, exc))
+                failed.append(((bucket, q), exc))
             if bar is not None:
                 bar.update(1)
         if bar is not None:
@@ -349,19 +384,20 @@ class StaticStepRunner:
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             log.warning("CUDA graph capture failed for %d of %d (batch, q) keys %s (first: %s: %s); those steps "
                         "run eagerly", len(failed), len(keys), self.eager_keys, type(exc).__name__, first)
-        log.info("captured %d CUDA graphs (batch buckets %s x q %s) in %.1f s",
-                 len(self.graphs), self.buckets, list(self.graph_query_lens), self.capture_s)
+        log.info("captured %d CUDA graphs (batch buckets %s x q %s, trees q %s) in %.1f s",
+                 len(self.graphs) + len(self.tree_graphs), self.buckets, list(self.graph_query_lens),
+                 list(self.tree_query_lens), self.capture_s)
 
-    def _capture_one(self, maker, bucket: int, q: int) -> tuple[Any, StepResult]:
-        dummy = self._dummy_batch(bucket, q)
+    def _capture_one(self, maker, bucket: int, q: int, tree: bool = False) -> tuple[Any, StepResult]:
+        dummy = self._dummy_batch(bucket, q, tree)
         self._stage(dummy, bucket, bucket * q)
         self._upload()
         for _ in range(2):  # warm up (cuBLAS picks kernels, allocator pools fill) outside capture
-            self.step_fn(bucket, bucket * q, q, None, self.outputs)
+            self.step_fn(bucket, bucket * q, q, None, self.outputs, tree)
         maker.synchronize()
-        return maker.capture(lambda: self.step_fn(bucket, bucket * q, q, None, self.outputs))
+        return maker.capture(lambda: self.step_fn(bucket, bucket * q, q, None, self.outputs, tree))
 
-    def _dummy_batch(self, num_seqs: int, q: int) -> StepBatch:
+    def _dummy_batch(self, num_seqs: int, q: int, tree: bool = False) -> StepBatch:
         trash = self.kv.trash_slot
         block = trash // self.block_size
         T = num_seqs * q
@@ -370,6 +406,8 @@ class StaticStepRunner:
             query_start=[i * q for i in range(num_seqs + 1)], seq_lens=[q] * num_seqs,
             block_tables=[[block]] * num_seqs, logits_rows=list(range(T)), row_offsets=[i * q for i in range(num_seqs)],
             num_drafts=[q - 1] * num_seqs,
+            # a tree-shaped capture: every sequence a chain (tree_base = its length: the causal rule)
+            tree_base=[q] * num_seqs if tree else None, tree_masks=[0] * T if tree else None,
         )
 
     def time_graphs(self, repeats: int = 5) -> dict[tuple[int, int], float]:

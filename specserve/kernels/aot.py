@@ -3,7 +3,8 @@ machine need not have.
 
 For each preset (a model's attention geometry and vocabulary, the engine's defaults
 and a method) and dtype, :func:`preset_jobs` lists the binaries an engine can launch:
-its static runner's (``kernels.specializations.runner_step_shapes``), an EAGLE head's
+its static runner's (``kernels.specializations.runner_step_shapes``, draft-tree steps
+included: the TREE binaries of every plan and of uniform tree steps), an EAGLE head's
 draft graphs (decode per batch bucket, the head's context bound) and the rejection
 kernel's.  :func:`compile_job` compiles one for one GPU with ``triton.compile`` and
 the ``ASTSource`` of that exact launch (``kernels.launches.ast_source``); Triton's
@@ -48,6 +49,7 @@ class Preset:
     block_size: int = 16
     eagle_head: bool = True  # an EAGLE head drafting with the target's attention geometry
     rejection: tuple[str, ...] = ("strict", "probabilistic")
+    tree_nodes: tuple[int, ...] = (8, 16)  # nodes per sequence of the uniform draft-tree steps captured
 
 
 PRESETS = (
@@ -82,7 +84,8 @@ def preset_jobs(p: Preset, dtype: str, num_sms: int = 132) -> list[Job]:
     graph_q = (1, *(n + 1 for n in draft_sizes(p.k)))
     max_tokens = max(p.max_num_batched_tokens, p.max_num_seqs * max(graph_q))
     shapes = runner_step_shapes(g, max_num_seqs=p.max_num_seqs, max_tokens=max_tokens, graph_query_lens=graph_q,
-                                max_seq_len=p.max_model_len, split_kv=True, num_sms=num_sms)
+                                max_seq_len=p.max_model_len, split_kv=True, num_sms=num_sms, trees=True,
+                                tree_query_lens=p.tree_nodes)
     groups = [("runner", runner_launches(g, shapes, "cpu"))]
     if p.eagle_head:  # head_graphs: one decode step per bucket over contexts up to max_model_len + K + 1
         bound = p.max_model_len + p.k + 1
@@ -111,8 +114,8 @@ def _jobs(preset: str, dtype: str, groups: list[tuple[str, list]]) -> list[Job]:
                 continue
             seen.add(key)
             detail = " ".join(f"{k}={v}" for k, v in launch.constexprs.items()
-                              if k in ("BLOCK_Q", "BLOCK_M", "BLOCK_N", "FLAT", "SPLIT", "STRICT", "HAS_DRAFT_PROBS",
-                                       "BLOCK_V"))
+                              if k in ("BLOCK_Q", "BLOCK_M", "BLOCK_N", "FLAT", "SPLIT", "TREE", "STRICT",
+                                       "HAS_DRAFT_PROBS", "BLOCK_V"))
             detail += f" warps={launch.options.get('num_warps', 4)}"
             jobs.append(Job(preset, dtype, group, launch.kernel.name, detail, launch, key))
     return jobs
@@ -240,7 +243,9 @@ def markdown(rows: list[dict], triton_version: str) -> str:
         "`tests/kernels/test_triton_aot.py` recompiles the bf16/fp16 ones and fails on an error, a spill in",
         "an attention binary (attention, KV write, reduce), shared memory over the block limit, or more",
         f"than {MAX_ATTENTION_BINARIES} attention binaries per (preset, dtype).  Groups: `runner` = the",
-        "target's static runner, `head` = an EAGLE head's draft graphs (the runner's decode binaries",
+        "target's static runner (with the TREE binaries of draft-tree steps: `TREE=True`, uniform tree",
+        "steps of 8 and 16 nodes per sequence and every mixed plan), `head` = an EAGLE head's draft graphs",
+        "(the runner's decode binaries",
         "when its attention shape is the target's), `rejection` = draft verification (float32",
         "probabilities whatever the model's dtype; its few bytes of spill are float64 sums, reported).",
         "",

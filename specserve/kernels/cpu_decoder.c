@@ -11,7 +11,9 @@
  * Every output row is computed by the same instruction sequence whatever the
  * batch holds (no cross-row reductions, fixed blocking along K), so a token's
  * logits do not depend on its neighbours: speculative verification of K+1
- * positions gives bit-identical results to decoding them one by one.
+ * positions gives bit-identical results to decoding them one by one, and so does
+ * each node of a draft tree (its softmax sums the keys it sees in plain
+ * decoding's order, wherever the step put its ancestors: visible_sum).
  *
  * Built by specserve/kernels/cpu_decoder.py with gcc; the same OpenMP runtime
  * as torch's is used (libgomp is already loaded by torch).
@@ -194,6 +196,39 @@ static float exp_scalar(float x) {
     _mm256_storeu_ps(out, exp256(_mm256_loadu_ps(buf)));
     return out[0];
 }
+#endif
+
+/* Lane sums: a row of softmax numerators is summed as SS_LANES partial sums, its n-th
+   term into lane n % SS_LANES in order, the lanes reduced at the end.  lane_add adds n
+   more terms (the row's terms *cnt.. on), lane_total reduces. */
+#ifdef SS_AVX512
+#define SS_LANES 16
+static inline void lane_add(float *lanes, int *cnt, const float *e, int n) {
+    int i = 0;
+    if (*cnt % 16 == 0) {
+        __m512 v = _mm512_loadu_ps(lanes);
+        for (; i + 16 <= n; i += 16) v = _mm512_add_ps(v, _mm512_loadu_ps(e + i));
+        _mm512_storeu_ps(lanes, v);
+    }
+    for (; i < n; i++) lanes[(*cnt + i) % 16] += e[i];
+    *cnt += n;
+}
+
+static inline float lane_total(const float *lanes) { return _mm512_reduce_add_ps(_mm512_loadu_ps(lanes)); }
+#else
+#define SS_LANES 8
+static inline void lane_add(float *lanes, int *cnt, const float *e, int n) {
+    int i = 0;
+    if (*cnt % 8 == 0) {
+        __m256 v = _mm256_loadu_ps(lanes);
+        for (; i + 8 <= n; i += 8) v = _mm256_add_ps(v, _mm256_loadu_ps(e + i));
+        _mm256_storeu_ps(lanes, v);
+    }
+    for (; i < n; i++) lanes[(*cnt + i) % 8] += e[i];
+    *cnt += n;
+}
+
+static inline float lane_total(const float *lanes) { return hsum8(_mm256_loadu_ps(lanes)); }
 #endif
 
 /* --------------------------------------------------------------------- GEMV */
@@ -569,6 +604,46 @@ static inline void rotate(float *x, const float *c, const float *s, int half) {
 
 /* ---------------------------------------------------------------- attention */
 
+/* Draft trees: the rows of one (sequence, kv head) group that verify a tree.  Keys
+   before `base` are seen by rotary position (j <= vpos[r], j >= wlo[r] under a
+   window), keys from `base` on by bit (j - base) of bits[r]. */
+typedef struct {
+    int base;
+    const int *vpos, *wlo;
+    const int64_t *bits;
+} ss_tree;
+
+/* Sets the scores of row r's keys in [lo, hi] (S row `sr`, key jlo at index 0) that
+   its tree rule hides to -inf; keys outside [lo, hi] are masked by the caller. */
+static void tree_mask_row(float *sr, int jlo, int lo, int hi, const ss_tree *tr, int r) {
+    const int e = tr->base < hi + 1 ? tr->base : hi + 1; /* end of the keys before the tree */
+    for (int j = lo; j < e && j < tr->wlo[r]; j++) sr[j - jlo] = -INFINITY;
+    for (int j = lo > tr->vpos[r] + 1 ? lo : tr->vpos[r] + 1; j < e; j++) sr[j - jlo] = -INFINITY;
+    for (int j = lo > tr->base ? lo : tr->base; j <= hi; j++)
+        if (!(((uint64_t)tr->bits[r] >> (j - tr->base)) & 1)) sr[j - jlo] = -INFINITY;
+}
+
+/* The softmax denominator of row r (S row `sr` of numerators, key jlo at index 0, hidden
+   keys 0): the lane sum of the keys it sees, ascending, the first in lane 0, as plain
+   decoding of its token sums them.  Summing the whole row instead would put each key in
+   lane (j - jlo) % SS_LANES, which depends on the rest of the group: on other rows' key
+   ranges (jlo) and, for a tree node, on the other branches' keys between its ancestors;
+   the sum then rounds differently and the output can differ by a bf16 step. */
+static float visible_sum(const float *sr, int jlo, int lo, int hi, const ss_tree *tr, int r) {
+    float lanes[SS_LANES] = {0};
+    int cnt = 0;
+    if (!tr) {
+        lane_add(lanes, &cnt, sr + (lo - jlo), hi - lo + 1);
+        return lane_total(lanes);
+    }
+    const int e = tr->base < hi + 1 ? tr->base : hi + 1; /* end of the keys before the tree */
+    const int a = lo > tr->wlo[r] ? lo : tr->wlo[r], b = tr->vpos[r] < e - 1 ? tr->vpos[r] : e - 1;
+    if (b >= a) lane_add(lanes, &cnt, sr + (a - jlo), b - a + 1);
+    for (int j = lo > tr->base ? lo : tr->base; j <= hi; j++)
+        if (((uint64_t)tr->bits[r] >> (j - tr->base)) & 1) lane_add(lanes, &cnt, sr + (j - jlo), 1);
+    return lane_total(lanes);
+}
+
 #ifdef SS_AVX512
 static inline float dot_f32_bf16(const float *q, const bf16 *k, int hd) {
     __m512 acc = _mm512_setzero_ps();
@@ -665,7 +740,7 @@ static inline __attribute__((always_inline)) void pv_rows(const int HD, const in
 static inline __attribute__((always_inline)) void attend_group_hd(
     const int HD, const int RC, int R, const float *const *q, const int *lo, const int *hi, const bf16 *kc,
     const bf16 *vc, int kv_stride, int g, const int32_t *bt, int bs, float scale, float *S, uint32_t *qb,
-    uint32_t *kt, long *slots, bf16 *const *out) {
+    uint32_t *kt, long *slots, bf16 *const *out, const ss_tree *tree) {
     const int P = HD / 2;
     int jlo = lo[0], jhi = hi[0];
     for (int r = 1; r < R; r++) {
@@ -722,17 +797,16 @@ static inline __attribute__((always_inline)) void attend_group_hd(
         const int a = lo[r] - jlo, b = hi[r] - jlo;
         for (int n = 0; n < a; n++) sr[n] = -INFINITY;
         for (int n = b + 1; n < nkp; n++) sr[n] = -INFINITY;
+        if (tree) tree_mask_row(sr, jlo, lo[r], hi[r], tree, r);
         __m512 vmx = _mm512_set1_ps(-INFINITY);
         for (int n = 0; n < nkp; n += 16) vmx = _mm512_max_ps(vmx, _mm512_load_ps(sr + n));
         vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
-        __m512 vsum = _mm512_setzero_ps();
         for (int n = 0; n < nkp; n += 16) {
             __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(sr + n), vmx));
             e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(_mm512_load_ps(sr + n), _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), e);
             _mm512_store_ps(sr + n, e);
-            vsum = _mm512_add_ps(vsum, e);
         }
-        inv[r] = 1.0f / _mm512_reduce_add_ps(vsum);
+        inv[r] = 1.0f / visible_sum(sr, jlo, lo[r], hi[r], tree, r);
     }
     /* out_r = sum_n P[r][n] v_n / sum, RC rows at a time (the last block with as many as remain) */
     for (int r0 = 0; r0 < R; r0 += RC) {
@@ -838,7 +912,7 @@ static inline __attribute__((always_inline)) void pv_cols32(const int RC, int c0
 static inline __attribute__((always_inline)) void attend_group_hd(
     const int HD, const int RC, int R, const float *const *q, const int *lo, const int *hi, const bf16 *kc,
     const bf16 *vc, int kv_stride, int g, const int32_t *bt, int bs, float scale, float *S, uint32_t *qb_,
-    uint32_t *kt_, long *slots, bf16 *const *out) {
+    uint32_t *kt_, long *slots, bf16 *const *out, const ss_tree *tree) {
     (void)RC;
     float *qs = (float *)qb_, *kt = (float *)kt_;
     int jlo = lo[0], jhi = hi[0];
@@ -889,18 +963,17 @@ static inline __attribute__((always_inline)) void attend_group_hd(
         const int a = lo[r] - jlo, b = hi[r] - jlo;
         for (int n = 0; n < a; n++) sr[n] = -INFINITY;
         for (int n = b + 1; n < nkp; n++) sr[n] = -INFINITY;
+        if (tree) tree_mask_row(sr, jlo, lo[r], hi[r], tree, r);
         __m256 vmx = ninf;
         for (int n = 0; n < nkp; n += 8) vmx = _mm256_max_ps(vmx, _mm256_load_ps(sr + n));
         vmx = _mm256_set1_ps(hmax8(vmx));
-        __m256 vsum = _mm256_setzero_ps();
         for (int n = 0; n < nkp; n += 8) {
             const __m256 s = _mm256_load_ps(sr + n);
             __m256 ex = exp256(_mm256_sub_ps(s, vmx));
             ex = _mm256_and_ps(ex, _mm256_cmp_ps(s, ninf, _CMP_NEQ_OQ));
             _mm256_store_ps(sr + n, ex);
-            vsum = _mm256_add_ps(vsum, ex);
         }
-        inv[r] = 1.0f / hsum8(vsum);
+        inv[r] = 1.0f / visible_sum(sr, jlo, lo[r], hi[r], tree, r);
     }
     /* out_r = sum_n P[r][n] v_n / sum: 32 columns and two rows at a time */
     for (int c0 = 0; c0 < HD; c0 += 32)
@@ -936,6 +1009,40 @@ static void attend_one(const float *q, const bf16 *kc, const bf16 *vc, int kv_st
     for (int d = 0; d < hd; d++) out[d] = f32_to_bf16(acc[d] * inv);
 }
 
+/* attend_one over the keys listed in keys[0..nk) (a tree row's visible keys). */
+static void attend_keys(const float *q, const bf16 *kc, const bf16 *vc, int kv_stride, int g, int hd,
+                        const int32_t *bt, int bs, const int *keys, int nk, float scale, float *scores, float *acc,
+                        bf16 *out) {
+    float mx = -INFINITY;
+    for (int n = 0; n < nk; n++) {
+        const int j = keys[n];
+        long slot = (long)bt[j / bs] * bs + j % bs;
+        float s = dot_f32_bf16(q, kc + slot * kv_stride + (long)g * hd, hd) * scale;
+        scores[n] = s;
+        mx = s > mx ? s : mx;
+    }
+    const float sum = exp_shift_sum(scores, nk, mx);
+    for (int d = 0; d < hd; d++) acc[d] = 0.0f;
+    for (int n = 0; n < nk; n++) {
+        const int j = keys[n];
+        long slot = (long)bt[j / bs] * bs + j % bs;
+        axpy_bf16(acc, scores[n], vc + slot * kv_stride + (long)g * hd, hd);
+    }
+    const float inv = 1.0f / sum;
+    for (int d = 0; d < hd; d++) out[d] = f32_to_bf16(acc[d] * inv);
+}
+
+/* The keys a tree row sees, ascending, into keys; returns how many.  c: the row's
+   context index, vpos its rotary position, wlo its first key by the window. */
+static int tree_keys(int c, int vpos, int wlo, int base, int64_t bits, int *keys) {
+    int n = 0;
+    const int e = base < c + 1 ? base : c + 1, top = vpos < e - 1 ? vpos : e - 1;
+    for (int j = wlo; j <= top; j++) keys[n++] = j;
+    for (int j = base; j <= c; j++)
+        if (((uint64_t)bits >> (j - base)) & 1) keys[n++] = j;
+    return n;
+}
+
 /* ------------------------------------------------------------------ forward */
 
 /* per query row, 32-bit words of the grouped attention's q buffer: bf16 pairs
@@ -955,14 +1062,22 @@ static void *scratch_alloc(size_t bytes) {
  * Runs the decoder stack for T tokens of B sequences.  seq_info is (B, 3)
  * int32: offset of the sequence's first token on the T axis, its number of
  * new tokens, and the number of its tokens already in the cache (so token i of
- * the sequence sits at position start + i and attends to keys 0..start + i).
- * block_tables is (B, max_blocks) int32.  The new tokens' K/V are written to
- * the cache.  out: (T, H) fp32 final-normed hidden states.  aux (may be NULL):
- * per layer, NULL or a (T, H) fp32 buffer that receives the residual stream
- * entering that layer.  Returns 0, or a negative code for a bad argument.
+ * the sequence sits at context index start + i, its K/V goes there, and it
+ * attends to keys 0..start + i).  block_tables is (B, max_blocks) int32.  The
+ * new tokens' K/V are written to the cache.  out: (T, H) fp32 final-normed
+ * hidden states.  aux (may be NULL): per layer, NULL or a (T, H) fp32 buffer
+ * that receives the residual stream entering that layer.
+ * positions (T,) int32, may be NULL: the tokens' rotary positions (default
+ * start + i).  tree_base (B,) int32 and tree_masks (T,) int64, both NULL or
+ * both given: a sequence with tree_base[b] < start + n verifies a draft tree
+ * (tree_base <= start, span start + n - tree_base <= 64): its token t sees key
+ * j < tree_base iff j <= positions[t] (and positions[t] - j < window), and key
+ * j >= tree_base iff bit j - tree_base of tree_masks[t] is set.
+ * Returns 0, or a negative code for a bad argument.
  */
 int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_t *seq_info,
-               const int32_t *block_tables, int max_blocks, float *out, float *const *aux) {
+               const int32_t *block_tables, int max_blocks, float *out, float *const *aux, const int32_t *positions,
+               const int32_t *tree_base, const int64_t *tree_masks) {
     const int H = m->hidden, I = m->inter, nh = m->n_heads, nkv = m->n_kv_heads, hd = m->head_dim;
     const int qs = nh * hd, kvs = nkv * hd, nqkv = qs + 2 * kvs, half = hd / 2, bs = m->block_size;
     const int G = nh / nkv;
@@ -970,15 +1085,16 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
 
     /* every buffer, freed once at `done` whatever the exit */
     int rc = 0;
-    int32_t *tok_seq = NULL, *tok_pos = NULL, *task_seq = NULL, *task_chunk = NULL;
+    int32_t *tok_seq = NULL, *tok_pos = NULL, *tok_ctx = NULL, *task_seq = NULL, *task_chunk = NULL;
     bf16 *act = NULL;
     float *qkv = NULL, *gu = NULL, *att_scr = NULL;
     char *att_ws = NULL;
 
     tok_seq = scratch_alloc(sizeof(int32_t) * T);
     tok_pos = scratch_alloc(sizeof(int32_t) * T);
-    int max_ctx = 1, next = 0;
-    if (!tok_seq || !tok_pos) {
+    tok_ctx = scratch_alloc(sizeof(int32_t) * T);
+    int max_ctx = 1, next = 0, any_tree = 0;
+    if (!tok_seq || !tok_pos || !tok_ctx) {
         rc = -4;
         goto done;
     }
@@ -987,6 +1103,10 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
             rc = -3;
             goto done;
         }
+    if ((tree_base == NULL) != (tree_masks == NULL)) {
+        rc = -2;
+        goto done;
+    }
     for (int b = 0; b < B; b++) {
         /* sequences must tile the token axis in order */
         const int t0 = seq_info[3 * b], n = seq_info[3 * b + 1], start = seq_info[3 * b + 2];
@@ -995,10 +1115,23 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
             rc = -2;
             goto done;
         }
+        if (tree_base && tree_base[b] < start + n) {
+            if (tree_base[b] < 0 || tree_base[b] > start || start + n - tree_base[b] > 64) {
+                rc = -2;
+                goto done;
+            }
+            any_tree = 1;
+        }
         next += n;
         for (int i = 0; i < n; i++) {
+            const int p = positions ? positions[t0 + i] : start + i;
+            if (p < 0 || p >= m->n_positions) {
+                rc = -2;
+                goto done;
+            }
             tok_seq[t0 + i] = b;
-            tok_pos[t0 + i] = start + i;
+            tok_ctx[t0 + i] = start + i;
+            tok_pos[t0 + i] = p;
         }
         if (start + n > max_ctx) max_ctx = start + n;
     }
@@ -1018,7 +1151,9 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
     /* grouped attention (attend_group_hd) for head_dim 64 / 128, else one task
        per (token, head) with attend_one */
     const int grouped = hd == 64 || hd == 128;
-    if (!grouped) att_scr = scratch_alloc(sizeof(float) * (size_t)nthr * (max_ctx + hd + 16));
+    /* per thread: scores (max_ctx), acc (hd) and, for tree rows, their key list (max_ctx) */
+    const size_t scr_n = (size_t)max_ctx * (any_tree ? 2 : 1) + hd + 16;
+    if (!grouped) att_scr = scratch_alloc(sizeof(float) * (size_t)nthr * scr_n);
     /* grouped attention tasks: rows of one (sequence, kv head) go in chunks of
        tc tokens (about 48 query rows), so that prefill spreads over threads and
        the per-thread workspace stays bounded */
@@ -1038,7 +1173,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
             }
     const int max_rows = tc * G, ctx_pad = (max_ctx + 15) & ~15;
     const size_t ws_bytes =
-        ((size_t)max_rows * (2 * sizeof(void *) + 2 * sizeof(int)) + sizeof(long) * ctx_pad + 64 +
+        ((size_t)max_rows * (2 * sizeof(void *) + 4 * sizeof(int) + sizeof(int64_t)) + sizeof(long) * ctx_pad + 64 +
          sizeof(uint32_t) * (16 * (hd / 2) + (max_rows + 4) * SS_QB_WORDS(hd)) + 64 +
          sizeof(float) * (size_t)max_rows * ctx_pad + 63) &
         ~(size_t)63;
@@ -1065,7 +1200,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
 #pragma omp parallel for schedule(static) if (T >= 8)
         for (int t = 0; t < T; t++) {
             float *row = qkv + (long)t * nqkv;
-            const int pos = tok_pos[t];
+            const int pos = tok_pos[t], ctx = tok_ctx[t];
             const float *c = m->cos + (long)pos * half, *s = m->sin + (long)pos * half;
             for (int h = 0; h < nh + nkv; h++) {
                 float *v = row + h * hd;
@@ -1073,7 +1208,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
                 rotate(v, c, s, half);
             }
             const int32_t *bt = block_tables + (long)tok_seq[t] * max_blocks;
-            const long slot = (long)bt[pos / bs] * bs + pos % bs;
+            const long slot = (long)bt[ctx / bs] * bs + ctx % bs;
             f32_row_to_bf16(row + qs, L->kcache + slot * kvs, kvs);
             f32_row_to_bf16(row + qs + kvs, L->vcache + slot * kvs, kvs);
         }
@@ -1091,35 +1226,55 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
                 bf16 **op = (bf16 **)(qp + max_rows);
                 int *lo = (int *)(op + max_rows), *hi = lo + max_rows;
                 long *slots = (long *)(hi + max_rows);
-                uint32_t *kt = (uint32_t *)(((uintptr_t)(slots + ctx_pad) + 63) & ~(uintptr_t)63);
+                int64_t *tbits = (int64_t *)(slots + ctx_pad);
+                int *tvpos = (int *)(tbits + max_rows), *twlo = tvpos + max_rows;
+                uint32_t *kt = (uint32_t *)(((uintptr_t)(twlo + max_rows) + 63) & ~(uintptr_t)63);
                 uint32_t *qb = kt + (hd / 2) * 16;
                 float *S = (float *)(((uintptr_t)(qb + (max_rows + 4) * SS_QB_WORDS(hd)) + 63) & ~(uintptr_t)63);
+                const int tb = tree_base ? tree_base[b] : 0;
+                const int is_tree = tree_base && tb < seq_info[3 * b + 2] + seq_info[3 * b + 1];
                 for (int r = 0; r < R; r++) {
                     const int i = r / G, h = g * G + r % G, t = t0 + i;
                     qp[r] = qkv + (long)t * nqkv + h * hd;
                     op[r] = act + (long)t * actw + h * hd;
                     hi[r] = start + i;
                     lo[r] = m->window > 0 && hi[r] - m->window + 1 > 0 ? hi[r] - m->window + 1 : 0;
+                    if (is_tree) { /* keys before the tree by rotary position; tree keys are not windowed */
+                        tvpos[r] = tok_pos[t];
+                        twlo[r] = m->window > 0 && tvpos[r] - m->window + 1 > 0 ? tvpos[r] - m->window + 1 : 0;
+                        tbits[r] = tree_masks[t];
+                        lo[r] = twlo[r] < tb ? twlo[r] : tb;
+                    }
                 }
+                const ss_tree tree = {tb, tvpos, twlo, tbits};
                 const int32_t *bt = block_tables + (long)b * max_blocks;
                 if (hd == 64)
                     attend_group_hd(64, 6, R, qp, lo, hi, L->kcache, L->vcache, kvs, g, bt, bs, m->scale, S, qb, kt,
-                                    slots, op);
+                                    slots, op, is_tree ? &tree : NULL);
                 else
                     attend_group_hd(128, 3, R, qp, lo, hi, L->kcache, L->vcache, kvs, g, bt, bs, m->scale, S, qb,
-                                    kt, slots, op);
+                                    kt, slots, op, is_tree ? &tree : NULL);
             }
         } else {
         /* attention: one task per (token, head) */
 #pragma omp parallel for schedule(dynamic, 4)
         for (int task = 0; task < T * nh; task++) {
-            const int t = task / nh, h = task % nh;
-            const int pos = tok_pos[t];
-            const int lo = m->window > 0 && pos - m->window + 1 > 0 ? pos - m->window + 1 : 0;
-            float *scr = att_scr + (size_t)omp_get_thread_num() * (max_ctx + hd + 16);
-            attend_one(qkv + (long)t * nqkv + h * hd, L->kcache, L->vcache, kvs, h / G, hd,
-                       block_tables + (long)tok_seq[t] * max_blocks, bs, lo, pos, m->scale, scr,
-                       scr + max_ctx, act + (long)t * actw + h * hd);
+            const int t = task / nh, h = task % nh, b = tok_seq[t];
+            const int ctx = tok_ctx[t];
+            float *scr = att_scr + (size_t)omp_get_thread_num() * scr_n;
+            const int32_t *bt = block_tables + (long)b * max_blocks;
+            if (tree_base && tree_base[b] < seq_info[3 * b + 2] + seq_info[3 * b + 1]) {
+                const int vpos = tok_pos[t];
+                const int wlo = m->window > 0 && vpos - m->window + 1 > 0 ? vpos - m->window + 1 : 0;
+                int *keys = (int *)(scr + max_ctx + hd + 16);
+                const int nk = tree_keys(ctx, vpos, wlo, tree_base[b], tree_masks[t], keys);
+                attend_keys(qkv + (long)t * nqkv + h * hd, L->kcache, L->vcache, kvs, h / G, hd, bt, bs, keys, nk,
+                            m->scale, scr, scr + max_ctx, act + (long)t * actw + h * hd);
+                continue;
+            }
+            const int lo = m->window > 0 && ctx - m->window + 1 > 0 ? ctx - m->window + 1 : 0;
+            attend_one(qkv + (long)t * nqkv + h * hd, L->kcache, L->vcache, kvs, h / G, hd, bt, bs, lo, ctx,
+                       m->scale, scr, scr + max_ctx, act + (long)t * actw + h * hd);
         }
         }
         for (int t = 0; t < T; t++)
@@ -1163,6 +1318,7 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
 done:
     free(tok_seq);
     free(tok_pos);
+    free(tok_ctx);
     free(act);
     free(qkv);
     free(gu);
@@ -1207,7 +1363,7 @@ int ss_set_num_threads(int n) {
     return omp_get_max_threads();
 }
 
-int ss_abi_version(void) { return 3; }
+int ss_abi_version(void) { return 4; }
 
 /* Which build this is (the Python side logs it). */
 const char *ss_isa(void) {

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from specserve.executor.batch import int64_masks
 from specserve.kernels.cpu_features import (
     ISAS,
     SOURCE,
@@ -41,7 +42,7 @@ from specserve.kernels.cpu_features import (
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class KernelUnavailable(RuntimeError):
@@ -95,7 +96,7 @@ def load_library(cache_dir: Path, isa: str | None = None) -> ctypes.CDLL:
         raise KernelUnavailable(f"{lib_path} has ABI {lib.ss_abi_version()}, expected {ABI_VERSION}")
     P, I32 = ctypes.c_void_p, ctypes.c_int
     for name, args, res in [
-        ("ss_forward", [P, I32, P, I32, P, P, I32, P, P], I32),
+        ("ss_forward", [P, I32, P, I32, P, P, I32, P, P, P, P, P], I32),
         ("ss_logits", [P, P, I32, P], I32),
         ("ss_matmul", [P, I32, P, P, I32, I32, P, P], I32),
         ("ss_pack_amx", [P, I32, I32, P], I32),
@@ -309,10 +310,16 @@ class CpuDecoder:
     def forward(
         self,
         input_ids: Sequence[int],
-        seqs: Sequence[tuple[int, int, int]],  # per sequence: (t offset, new tokens, start position)
+        seqs: Sequence[tuple[int, int, int]],  # per sequence: (t offset, new tokens, tokens already cached)
         block_tables: Sequence[Sequence[int]],
         aux_layer_ids: tuple[int, ...] = (),
+        positions: Sequence[int] | None = None,
+        tree_base: Sequence[int] | None = None,
+        tree_masks: Sequence[int] | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
+        """Run the stack; token i of a sequence sits at context index start + i.
+        ``positions`` (T,): rotary positions (default start + i); ``tree_base`` (B,) and
+        ``tree_masks`` (T,): draft trees, the rule of ``executor.batch`` (both or neither)."""
         T, H = len(input_ids), self.a.hidden_size
         ids = torch.tensor(input_ids, dtype=torch.int64)
         info = torch.tensor(seqs, dtype=torch.int32)
@@ -327,10 +334,13 @@ class CpuDecoder:
                 aux[i] = torch.empty(T, H, dtype=torch.float32)
                 arr[i] = aux[i].data_ptr()
             aux_ptrs = ctypes.addressof(arr)
+        pos = None if positions is None else torch.tensor(positions, dtype=torch.int32)
+        base = None if tree_base is None else torch.tensor(tree_base, dtype=torch.int32)
+        masks = None if tree_masks is None else torch.tensor(int64_masks(list(tree_masks)), dtype=torch.int64)
         self.lib.ss_set_num_threads(torch.get_num_threads())  # per calling thread in OpenMP
         rc = self.lib.ss_forward(
             ctypes.addressof(self._model), T, _ptr(ids), len(seqs), _ptr(info), _ptr(tables), width,
-            _ptr(out), aux_ptrs,
+            _ptr(out), aux_ptrs, _ptr(pos), _ptr(base), _ptr(masks),
         )  # fmt: skip
         if rc == -4:
             raise MemoryError("fused CPU decoder: out of memory for this step's buffers")

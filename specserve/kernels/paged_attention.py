@@ -22,6 +22,17 @@ p - j < sliding_window when a window is set).  A sequence slot with qlen 0 is
 padding: nothing is read or written for it.  Tokens outside
 [qsl[0], qsl[B]) are never written.
 
+Draft trees (TREE).  With ``tree_base`` (B,) int32, ``tree_masks`` (T,) int64 and
+``positions`` (T,) int64 (the tokens' rotary positions), a sequence whose
+tree_base[b] < seq_lens[b] verifies a tree: its query t sees key j < tree_base[b]
+iff j <= positions[t] (and positions[t] - j < window), and key j in
+[tree_base[b], seq_lens[b]) iff bit j - tree_base[b] of tree_masks[t] is set.
+A sequence with tree_base[b] = seq_lens[b] keeps the causal rule.  A mask has no
+bit past its token's own context index (``StepBatch.from_inputs`` checks), so a
+tile's key range still ends at its last query; tree keys are not windowed (the
+caller leaves ancestors outside a window out of the masks).  Without the three
+tensors the launch is the non-TREE binary, unchanged.
+
 Attention kernel (``_attn_kernel``).  Grid ``(num_q_tiles, nkv, num_splits)``.
 A program owns one query tile of one sequence for one KV head: BLOCK_Q query
 positions x the GROUP = nh / nkv query heads that share the KV head, packed as
@@ -36,8 +47,9 @@ r % GROUP_PAD), so each K/V tile is loaded once for the whole group::
         online softmax in base 2: m, l (BLOCK_M,), acc (BLOCK_M, hd) fp32
 
 The key range of a tile is [lo, hi): hi = 1 + the position of its last query,
-lo = 0, or with a window the first key its first query can see (rounded down to
-BLOCK_N).  Query tiles are numbered in one of two ways, both fixed by Python
+lo = 0, or with a window the first key its first
+query can see (rounded down to BLOCK_N; for a tree tile, by its smallest rotary
+position and at most tree_base).  Query tiles are numbered in one of two ways, both fixed by Python
 ints only (no tensor values), so the grid is the same on every replay of a
 captured CUDA graph:
 
@@ -79,8 +91,9 @@ padding and is skipped.
 Binaries.  Triton compiles one binary per specialization; the ints that vary
 from step to step (batch size, split count, the binary search's steps, table
 widths, q's layout) are not specialised on (``ATTN``, ``REDUCE``, ``WRITE_KV``),
-so a model and dtype need one binary per tile plan (BLOCK_Q, FLAT, SPLIT) and
-the reduce one for any split count (SPLITS_PAD = 16).  :func:`step_launches`
+so a model and dtype need one binary per tile plan (BLOCK_Q, FLAT, SPLIT; TREE for
+steps with draft trees, never split) and the reduce one for any split count
+(SPLITS_PAD = 16).  :func:`step_launches`
 gives the launches of a step's ints on stand-in tensors: what the start-up
 warm-up compiles.  fp32 tiles are 16 x 16 (CUDA-core dots; larger ones spill).
 
@@ -148,6 +161,9 @@ def _attn_kernel(
     block_tables_ptr,  # (B, max_blocks) int32
     qsl_ptr,  # (B+1,) query_start_loc
     seq_lens_ptr,  # (B,)
+    tree_base_ptr,  # (B,) int32, read only when TREE
+    tree_mask_ptr,  # (T,) int64, read only when TREE
+    tree_pos_ptr,  # (T,) rotary positions, read only when TREE
     scale_log2,  # softmax scale * log2(e)
     window,  # sliding window (read only when SLIDING)
     num_seqs,  # B
@@ -172,6 +188,7 @@ def _attn_kernel(
     FLAT: tl.constexpr,
     SLIDING: tl.constexpr,
     SPLIT: tl.constexpr,
+    TREE: tl.constexpr,  # some sequence verifies a draft tree: per-token bitmasks and positions
     DOT_PREC: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies bf16 bit patterns as integers
 ):
@@ -220,9 +237,20 @@ def _attn_kernel(
     # ---- this program's key range [k_begin, k_end)
     tile_first = first_pos + qb * BLOCK_Q
     k_hi = first_pos + tl.minimum(qb * BLOCK_Q + BLOCK_Q, q_len)  # 1 + last query position of the tile
+    if TREE:
+        # keys before tree_base by rotary position (by context index without a tree), the
+        # tree range [tree_base, seq_len) by bitmask
+        t_base = tl.load(tree_base_ptr + b)
+        is_tree = t_base < seq_len
+        rot = tl.load(tree_pos_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+        vpos = tl.where(row_ok, tl.where(is_tree, rot, pos), -1)
+        q_bits = tl.load(tree_mask_ptr + tok, mask=row_ok, other=0).to(tl.int64)
+        tile_first = tl.min(tl.where(row_ok, vpos, seq_len), axis=0)
     k_lo = k_hi * 0
     if SLIDING:
         k_lo = tl.maximum(tile_first - window + 1, 0)
+        if TREE:
+            k_lo = tl.minimum(k_lo, t_base)  # tree keys are not windowed
         k_lo = (k_lo // BLOCK_N) * BLOCK_N
     n_tiles = (k_hi - k_lo + BLOCK_N - 1) // BLOCK_N
     per_split = (n_tiles + num_splits - 1) // num_splits
@@ -248,9 +276,18 @@ def _attn_kernel(
         else:
             s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PREC)
         s = s * scale_log2  # (BLOCK_M, BLOCK_N)
-        vis = (kj[None, :] <= pos[:, None]) & k_ok[None, :]
-        if SLIDING:
-            vis = vis & (pos[:, None] - kj[None, :] < window)
+        if TREE:
+            vis = (kj[None, :] < t_base) & (kj[None, :] <= vpos[:, None])
+            if SLIDING:
+                vis = vis & (vpos[:, None] - kj[None, :] < window)
+            in_tree = (kj >= t_base) & (kj < seq_len)
+            shift = tl.where(in_tree, kj - t_base, 0).to(tl.int64)
+            bit = (q_bits[:, None] >> shift[None, :]) & 1
+            vis = (vis | (in_tree[None, :] & (bit != 0))) & k_ok[None, :]
+        else:
+            vis = (kj[None, :] <= pos[:, None]) & k_ok[None, :]
+            if SLIDING:
+                vis = vis & (pos[:, None] - kj[None, :] < window)
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -361,7 +398,7 @@ ATTN = KernelDef(
     _attn_kernel,
     do_not_specialize=("window", "num_seqs", "qb_per_seq", "num_splits", "search_steps", "stride_qt", "stride_bt",
                        "stride_ps", "stride_ls"),
-    do_not_specialize_on_alignment=("q_ptr",),
+    do_not_specialize_on_alignment=("q_ptr", "tree_pos_ptr"),
 )
 REDUCE = KernelDef(_reduce_kernel, do_not_specialize=("num_seqs", "num_splits", "stride_ps", "stride_ls"))
 WRITE_KV = KernelDef(_write_kv_kernel, do_not_specialize=("num_kv_heads", "stride_kt", "stride_vt"),
@@ -421,8 +458,10 @@ def _attention_launches(
     seq_lens: Tensor, scratch: tuple[Tensor, Tensor] | None, *, num_tokens: int, num_seqs: int,
     max_query_len: int, num_splits: int, block_size: int, scale: float, sliding_window: int | None,
     interpreted: bool, block_q: int | None = None, block_n: int | None = None,
+    tree: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> list[Launch]:
-    """The attention launch (and the split-KV reduce) for a step of these ints."""
+    """The attention launch (and the split-KV reduce) for a step of these ints; ``tree``:
+    (tree_base, tree_masks, positions) of a step with draft trees (the TREE binary)."""
     T, B = num_tokens, num_seqs
     nh, hd = q.shape[1], q.shape[2]
     nkv = k_cache.shape[1]
@@ -433,13 +472,15 @@ def _attention_launches(
     sp = part_o.stride() if split else (0, 0, 0, 0)
     sl = part_lse.stride() if split else (0, 0, 0)
     search_steps = max(B - 1, 0).bit_length() if plan["FLAT"] else 0
+    # without a tree the tree pointers are never read: stand-ins of the TREE dtypes keep one signature
+    tree_args = tree if tree is not None else (seq_lens, _int64_standin(q.device), _int64_standin(q.device))
     attn = Launch(
         ATTN, (num_q_tiles, nkv, num_splits),
-        (q, k_cache, v_cache, out, part_o, part_lse, block_tables, query_start_loc, seq_lens,
+        (q, k_cache, v_cache, out, part_o, part_lse, block_tables, query_start_loc, seq_lens, *tree_args,
          float(scale) * _LOG2E, sliding_window or 0, B, qb_per_seq, num_splits, search_steps,
          q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
          v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), sp[0], sp[1], sp[2], sl[0], sl[1]),
-        dict(HEAD_DIM=hd, PAGE=block_size, SLIDING=sliding_window is not None, SPLIT=split,
+        dict(HEAD_DIM=hd, PAGE=block_size, SLIDING=sliding_window is not None, SPLIT=split, TREE=tree is not None,
              DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
              DOT_UPCAST=interpreted and q.dtype != torch.float32, **plan),
         {"num_warps": num_warps},
@@ -457,6 +498,12 @@ def _attention_launches(
     return [attn, reduce]
 
 
+@functools.cache
+def _int64_standin(device: torch.device) -> Tensor:
+    """An int64 tensor passed for the tree pointers of a launch without trees (never read)."""
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
 def _write_kv_launch(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> Launch:
     T, nkv, hd = k.shape
     return Launch(
@@ -471,12 +518,13 @@ def _write_kv_launch(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slo
 def step_launches(
     num_seqs: int, num_tokens: int, max_query_len: int, num_splits: int, *, num_heads: int, num_kv_heads: int,
     head_dim: int, block_size: int, sliding_window: int | None, dtype: torch.dtype, device: torch.device | str,
-    interpreted: bool = False,
+    interpreted: bool = False, tree: bool = False,
 ) -> list[Launch]:
     """Every launch of one step of these ints (KV write, attention, split-KV reduce), on
     tiny stand-in tensors of the geometry: the same binaries as any real step of these
     ints, since the sizes that differ (token rows, cache slots, table widths) are not
-    specialised on.  For compiling at start-up and ahead of time."""
+    specialised on.  ``tree``: a step with draft trees (the TREE binary).  For compiling
+    at start-up and ahead of time."""
     dev = torch.device(device)
     nh, nkv, hd = num_heads, num_kv_heads, head_dim
     q = torch.zeros(1, nh, hd, dtype=dtype, device=dev)
@@ -485,10 +533,12 @@ def step_launches(
     i32 = dict(dtype=torch.int32, device=dev)
     scratch = make_split_scratch(1, 1, nh, hd, dev) if num_splits > 1 else None
     write = _write_kv_launch(kv, kv, cache, cache, torch.zeros(1, dtype=torch.int64, device=dev))
+    i64 = torch.zeros(1, dtype=torch.int64, device=dev)
     return [write, *_attention_launches(
         q, cache, cache, torch.zeros_like(q), torch.zeros(1, 1, **i32), torch.zeros(2, **i32), torch.zeros(1, **i32),
         scratch, num_tokens=num_tokens, num_seqs=num_seqs, max_query_len=max_query_len, num_splits=num_splits,
         block_size=block_size, scale=1.0, sliding_window=sliding_window, interpreted=interpreted,
+        tree=(torch.zeros(1, **i32), i64, i64) if tree else None,
     )]
 
 
@@ -583,6 +633,21 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc, se
              f"got {list(out.shape)} {out.dtype} on {out.device}")
 
 
+def _check_tree_args(q, block_tables, tree_base, tree_masks, positions) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(tree_base, tree_masks, positions) of a step with draft trees, None without."""
+    given = [t is not None for t in (tree_base, tree_masks, positions)]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("tree_base: tree_base, tree_masks and positions go together")
+    T, B, dev = q.shape[0], block_tables.shape[0], q.device
+    for name, t, n, dtype in (("tree_base", tree_base, B, torch.int32), ("tree_masks", tree_masks, T, torch.int64),
+                              ("positions", positions, T, torch.int64)):
+        if t.dim() != 1 or t.shape[0] < n or t.dtype != dtype or t.device != dev:
+            raise ValueError(f"{name}: expected ({n},) {dtype} on {dev}, got {list(t.shape)} {t.dtype} on {t.device}")
+    return tree_base, tree_masks, positions
+
+
 # --------------------------------------------------------------------------- attention
 
 
@@ -604,12 +669,16 @@ def paged_attention_triton(
     scratch: tuple[Tensor, Tensor] | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
+    tree_base: Tensor | None = None,
+    tree_masks: Tensor | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """The Triton path of :func:`paged_attention` (CUDA tensors, or CPU under the interpreter)."""
     if triton is None:
         raise RuntimeError("paged attention: triton is not installed; use impl='torch'")
     _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, block_size, scale,
                           sliding_window, max_query_len, out)
+    tree = _check_tree_args(q, block_tables, tree_base, tree_masks, positions)
     interpreted = interpreter_active()
     if q.device.type == "cpu" and not interpreted:
         raise RuntimeError("paged attention: CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
@@ -645,7 +714,7 @@ def paged_attention_triton(
     for launch in _attention_launches(
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scratch, num_tokens=T, num_seqs=B,
         max_query_len=max_query_len, num_splits=num_splits, block_size=block_size, scale=scale,
-        sliding_window=sliding_window, interpreted=interpreted, block_q=block_q, block_n=block_n,
+        sliding_window=sliding_window, interpreted=interpreted, block_q=block_q, block_n=block_n, tree=tree,
     ):
         run_launch(launch)
     return out
@@ -667,12 +736,16 @@ def paged_attention_reference(
     num_splits: int | None = None,
     out: Tensor | None = None,
     scratch: tuple[Tensor, Tensor] | None = None,
+    tree_base: Tensor | None = None,
+    tree_masks: Tensor | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """Torch twin of :func:`paged_attention_triton`: gather every sequence's keys by slot,
     masked softmax in fp32, scatter back.  ``num_splits`` and ``scratch`` are accepted and
     ignored (the maths does not depend on them).  Host-sync free when ``max_seq_len`` is given."""
     _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, block_size, scale,
                           sliding_window, max_query_len, out)
+    tree = _check_tree_args(q, block_tables, tree_base, tree_masks, positions)
     T, nh, hd = q.shape
     S, nkv, _ = k_cache.shape
     B = block_tables.shape[0]
@@ -700,9 +773,12 @@ def paged_attention_reference(
     vv = v_cache.index_select(0, slots.reshape(-1)).view(B, L, nkv, hd).float().where(key_ok, 0.0)
     qq = q.index_select(0, q_tok.clamp(0, T - 1).reshape(-1)).view(B, Q, nkv, nh // nkv, hd).float()
     scores = torch.einsum("bqhgd,blhd->bhgql", qq, kk) * scale  # (B, nkv, G, Q, L)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < sl[:, None, None])
-    if sliding_window is not None:
-        mask &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
+    if tree is not None:
+        mask = _tree_visibility(tree, q_tok.clamp(0, T - 1), q_pos, k_pos, sl, sliding_window)
+    else:
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < sl[:, None, None])
+        if sliding_window is not None:
+            mask &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
     mask &= q_ok[:, :, None]  # (B, Q, L)
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing visible: zeros
@@ -713,6 +789,21 @@ def paged_attention_reference(
     covered = torch.zeros(T + 1, dtype=torch.bool, device=dev).index_copy_(0, dest, q_ok.reshape(-1))
     out.copy_(torch.where(covered[:T, None, None], full[:T].to(out.dtype), out))
     return out
+
+
+def _tree_visibility(tree: tuple[Tensor, Tensor, Tensor], q_tok: Tensor, q_pos: Tensor, k_pos: Tensor, sl: Tensor,
+                     window: int | None) -> Tensor:
+    """(B, Q, L) visibility under draft trees (the TREE rule of the module docstring)."""
+    base = tree[0].long()[:, None, None]  # (B, 1, 1)
+    bits = tree[1].long()[q_tok][:, :, None]  # (B, Q, 1)
+    is_tree = base[:, :, 0] < sl[:, None]  # (B, 1)
+    vpos = torch.where(is_tree, tree[2].long()[q_tok], q_pos)[:, :, None]
+    kp = k_pos[None, None, :]
+    vis = (kp < base) & (kp <= vpos)
+    if window is not None:
+        vis &= vpos - kp < window
+    in_tree = (kp >= base) & (kp < sl[:, None, None])
+    return vis | (in_tree & ((bits >> (kp - base).clamp(0, 63)) & 1).bool())
 
 
 def paged_attention(
@@ -732,6 +823,9 @@ def paged_attention(
     out: Tensor | None = None,
     scratch: tuple[Tensor, Tensor] | None = None,
     impl: str = "auto",
+    tree_base: Tensor | None = None,
+    tree_masks: Tensor | None = None,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """Attention of a flattened ragged batch of new tokens over the paged KV cache.
 
@@ -751,6 +845,9 @@ def paged_attention(
     impl: "triton", "torch" (the twin), or "auto": Triton on CUDA tensors when triton is
     installed, the twin otherwise (CPU tensors run the kernel only with impl="triton" under
     TRITON_INTERPRET=1).
+
+    Draft trees: ``tree_base`` (B,) int32, ``tree_masks`` (T,) int64 and ``positions``
+    (T,) int64, all three or none; the visibility rule is the module docstring's (TREE).
     """
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl: must be 'auto', 'triton' or 'torch', got {impl!r}")
@@ -759,7 +856,8 @@ def paged_attention(
     fn = paged_attention_triton if impl == "triton" else paged_attention_reference
     return fn(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, block_size=block_size, scale=scale,
               sliding_window=sliding_window, max_query_len=max_query_len, max_seq_len=max_seq_len,
-              num_splits=num_splits, out=out, scratch=scratch)
+              num_splits=num_splits, out=out, scratch=scratch, tree_base=tree_base, tree_masks=tree_masks,
+              positions=positions)
 
 
 # --------------------------------------------------------------------------- KV write

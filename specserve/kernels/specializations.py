@@ -9,7 +9,9 @@ the KV is split (a decode step with few sequences and long contexts).  So
 at every batch size (captured buckets or eager), uniform verification of each
 captured q per bucket, and mixed steps whose longest query is each power of two (and
 one more) up to the token budget, alone or beside other sequences -- and keeps one
-step per distinct plan.  :func:`runner_launches` turns those steps into launches
+step per distinct plan.  A runner whose steps may carry draft trees adds the TREE
+binary of each of those plans (never split) and of its uniform tree steps.
+:func:`runner_launches` turns those steps into launches
 (KV write, attention, split-KV reduce) and :func:`rejection_launches` adds the
 verification kernel's; each list holds one launch per binary.
 
@@ -48,6 +50,7 @@ class StepShape:
     num_tokens: int
     max_query_len: int
     num_splits: int
+    tree: bool = False  # the step carries draft trees (the kernel's TREE binary)
 
 
 def _plan_key(g: AttentionGeometry, s: StepShape) -> tuple:
@@ -55,15 +58,17 @@ def _plan_key(g: AttentionGeometry, s: StepShape) -> tuple:
 
     p = _tile_plan(s.num_tokens, s.num_seqs, g.num_heads, g.num_kv_heads, g.head_dim, s.max_query_len,
                    dtype=g.dtype)
-    return (p["BLOCK_Q"], p["BLOCK_M"], p["BLOCK_N"], p["FLAT"], p["num_warps"], s.num_splits > 1)
+    return (p["BLOCK_Q"], p["BLOCK_M"], p["BLOCK_N"], p["FLAT"], p["num_warps"], s.num_splits > 1, s.tree)
 
 
 def runner_step_shapes(g: AttentionGeometry, *, max_num_seqs: int, max_tokens: int,
                        graph_query_lens: tuple[int, ...], max_seq_len: int, split_kv: bool,
-                       num_sms: int | None = None) -> list[StepShape]:
+                       num_sms: int | None = None, trees: bool = False,
+                       tree_query_lens: tuple[int, ...] = ()) -> list[StepShape]:
     """One step per distinct attention binary a static runner of this configuration can
     launch.  ``split_kv``: decode steps may split the KV (Triton on CUDA); ``num_sms``
-    as for ``default_num_splits``."""
+    as for ``default_num_splits``; ``trees``: steps may carry draft trees (uniform ones
+    of ``tree_query_lens`` per bucket, and any mixed shape)."""
     from specserve.kernels.paged_attention import default_num_splits
 
     def shape(B: int, T: int, q: int) -> StepShape:
@@ -83,6 +88,10 @@ def runner_step_shapes(g: AttentionGeometry, *, max_num_seqs: int, max_tokens: i
                     if q <= max_tokens and B <= max_num_seqs and T <= max_tokens:
                         candidates.append(shape(B, T, q))
         p *= 2
+    if trees:
+        candidates += [StepShape(b, b * q, q, 1, tree=True) for q in tree_query_lens
+                       for b in batch_buckets(max_num_seqs) if b * q <= max_tokens]
+        candidates += [StepShape(s.num_seqs, s.num_tokens, s.max_query_len, 1, tree=True) for s in candidates]
     seen: dict[tuple, StepShape] = {}
     for s in candidates:
         seen.setdefault(_plan_key(g, s), s)
@@ -105,7 +114,8 @@ def runner_launches(g: AttentionGeometry, shapes: list[StepShape], device: torch
     for s in shapes:
         out += step_launches(s.num_seqs, s.num_tokens, s.max_query_len, s.num_splits, num_heads=g.num_heads,
                              num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, block_size=g.block_size,
-                             sliding_window=g.sliding_window, dtype=g.dtype, device=device, interpreted=interpreted)
+                             sliding_window=g.sliding_window, dtype=g.dtype, device=device, interpreted=interpreted,
+                             tree=s.tree)
     return _dedupe(out)
 
 

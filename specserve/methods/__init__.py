@@ -37,6 +37,7 @@ __all__ = [
     "Q_VERIFICATION_METHODS",
     "REJECTION_METHODS",
     "SpeculativeConfig",
+    "TreeConfig",
     "as_method_options",
     "get_method",
     "load",
@@ -49,10 +50,28 @@ __all__ = [
 ]
 
 # The values of method.rejection_sample_method: how drafts are verified (specserve.sampling.rejection).
-REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
+REJECTION_METHODS = ("strict", "probabilistic", "block", "synthetic")
 # The verification methods that read the drafts' distributions q: a proposer that can
 # sample its drafts from q does so (and hands q over) only under these.
-Q_VERIFICATION_METHODS = ("probabilistic",)
+Q_VERIFICATION_METHODS = ("probabilistic", "block")
+
+
+@dataclass
+class TreeConfig:
+    """``method.tree``: each step drafts a tree of candidates instead of a chain, all of it
+    verified in one target forward (EAGLE-2's dynamic trees; SGLang's ``topk``,
+    ``num_draft_tokens``, ``num_steps``).  Every key None: chains.  Only methods whose
+    ``MethodSpec.tree`` is true accept it; checked by ``specserve.config``."""
+
+    topk: Optional[int] = None  # children of each expanded node: the drafter's k best tokens
+    # Tokens verified per tree INCLUDING its root (the request's pending token): a chain of
+    # K drafts verifies K + 1.  With a tree the engine's K is num_draft_tokens - 1.
+    num_draft_tokens: Optional[int] = None
+    depth: Optional[int] = None  # expansion steps: the deepest draft is this many tokens ahead
+
+    @property
+    def enabled(self) -> bool:
+        return any(v is not None for v in (self.topk, self.num_draft_tokens, self.depth))
 
 
 @dataclass
@@ -73,6 +92,8 @@ class SpeculativeConfig:
     parallel_drafting: bool = False
     rejection_sample_method: str = "strict"
     synthetic_acceptance_rate: Optional[float] = None
+    # Draft trees instead of chains (methods whose MethodSpec.tree is true): TreeConfig.
+    tree: TreeConfig = dataclasses.field(default_factory=TreeConfig)
 
     @property
     def samples_drafts(self) -> bool:
@@ -98,7 +119,7 @@ class MethodSpec:
     draft_probs: bool = False  # with probabilistic verification it samples drafts and hands over q
     parallel_drafting: bool = False  # accepts method.parallel_drafting=true (all K drafts in one forward)
     tensor_parallel: bool = False  # its draft shards like the target (draft_tensor_parallel_size > 1); else rank 0
-    tree: bool = False  # drafts a tree of candidates (no method does yet)
+    tree: bool = False  # accepts method.tree: drafts a tree of candidates, verified in one forward
     kv_layers: int = 0  # layers it keeps in the engine's KV cache after the target's (an EAGLE head's one)
 
     def own_keys(self) -> list[str]:

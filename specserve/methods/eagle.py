@@ -15,5 +15,6 @@ for _name, _summary in (
         proposer="specserve.proposers.eagle:build_eagle",
         memory="specserve.proposers.eagle:eagle_memory",
         draft_probs=True,
+        tree=True,
         kv_layers=1,
     ))

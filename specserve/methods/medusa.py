@@ -11,4 +11,5 @@ register(MethodSpec(
     proposer="specserve.proposers.medusa:build",
     memory="specserve.proposers.medusa:memory",
     draft_probs=True,
+    tree=True,
 ))

@@ -11,4 +11,5 @@ register(MethodSpec(
     proposer="specserve.proposers.mlp_speculator:build",
     memory="specserve.proposers.mlp_speculator:memory",
     draft_probs=True,
+    tree=True,
 ))

@@ -28,6 +28,7 @@ from its tokens: the proposer catches up as for a new request).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -76,8 +77,12 @@ class DraftRequest:
     max_drafts: int  # 1..K: drafts wanted for the next step (room before max_model_len)
     # Rows of the step's forward (its T axis: ForwardOutput.aux[layer][row]) that hold
     # the target's states of this sequence's tokens fed in that step and committed,
-    # in position order; None when the sequence was not in the forward.
-    hidden_rows: range | None = None
+    # in position order (a range, or a list after a tree: the root and its accepted
+    # path); None when the sequence was not in the forward.
+    hidden_rows: Sequence[int] | None = None
+    # Whether a tree may be drafted for it (the method drafts trees: method.tree); False
+    # where its verification needs a chain (grammar, logprobs, penalties, logit_bias).
+    tree: bool = True
 
 
 @dataclass
@@ -86,6 +91,10 @@ class Proposal:
     # (B, K, V) draft distributions the tokens were sampled from, or None when
     # drafts are deterministic (n-gram, suffix, greedy drafters: one-hot q).
     probs: Tensor | None = None
+    # Per request, a tree's structure: the parent of each of its draft tokens (an index
+    # into its token_ids, -1 = the request's pending token, the root; parents first), or
+    # None for a chain.  None: every request's drafts are a chain.
+    parents: list[list[int] | None] | None = None
 
 
 class Proposer(Protocol):

@@ -32,6 +32,13 @@ CPU: the reference attention; in bf16 the head's projections and LM head run on 
 fused decoder's matmul (``kernels.cpu_decoder.FusedLinear``).  All of it is the
 backend factory's choice (``executor.backends.factory``), made with the target's.
 
+Trees (``method.tree``): a request that may take one (``DraftRequest.tree``)
+gets an EAGLE-2 dynamic tree instead of a chain (``_draft_trees``): ``depth``
+expansion steps over the ``topk`` best frontier nodes, each stored past the
+committed rows and attending to its ancestors (a tree mask), then the
+``num_draft_tokens - 1`` best nodes by cumulative log-probability, parents first
+(``Proposal.parents``).  Tree rounds run eagerly on every device.
+
 Drafts: greedy (argmax of the head) for greedy requests and with strict
 verification.  With ``rejection_sample_method=probabilistic`` a sampled
 request's drafts are drawn from q = the head's distribution under the
@@ -61,10 +68,10 @@ from specserve.executor.eagle_loader import build_head, check_against_target, re
 from specserve.executor.eagle_loader import read_tensors as read_head_tensors
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.eagle import EagleHead
-from specserve.methods import SpeculativeConfig
+from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, KVBlocks, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import (DraftColumns, HeadSampler, head_attention_bytes, head_metadata, narrow,
-                                       read_tensor_shapes, step_metadata)
+from specserve.proposers.heads import (DraftColumns, HeadSampler, TreeLevels, choose_nodes, head_attention_bytes,
+                                       head_metadata, narrow, read_tensor_shapes, step_metadata)
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +83,11 @@ class _HeadState:
 
 class EagleProposer:
     def __init__(self, head: EagleHead, num_spec_tokens: int, kv: tuple[Tensor, Tensor], block_size: int,
-                 kv_blocks: KVBlocks, *, probabilistic: bool = False, trash_slot: int | None = None):
+                 kv_blocks: KVBlocks, *, probabilistic: bool = False, trash_slot: int | None = None,
+                 tree: TreeConfig | None = None):
         self.head = head
+        # method.tree: EAGLE-2 dynamic trees for the requests that may take one (else chains).
+        self.tree = tree if tree is not None and tree.enabled else None
         self.trash_slot = trash_slot  # the head cache's padding slot (for static drafting)
         # The K greedy draft steps over persistent buffers (CUDA graphs per batch bucket;
         # ``RunnerFactory.head_graphs``); None: the eager loop.
@@ -120,8 +130,10 @@ class EagleProposer:
             if n == 0:
                 continue
             want = r.max_drafts
-            # drafting writes positions p0+n .. p0+n+want-2 past the real rows
-            if want > 0 and not self.kv_blocks.ensure(r.seq, p0 + n + want - 1):
+            # drafting writes positions p0+n .. p0+n+want-2 past the real rows (a tree: the
+            # nodes it expands, topk per step after the first)
+            end = p0 + n + (self._tree_nodes_run() if self._drafts_tree(r) else want - 1)
+            if want > 0 and not self.kv_blocks.ensure(r.seq, end):
                 want = 0  # no room in the cache this round: consume the rows, draft nothing
             table = r.seq.block_table
             inputs.append(SeqInput(toks, p0, table, [n - 1] if want > 0 else []))
@@ -140,7 +152,63 @@ class EagleProposer:
         if not drafting:
             return Proposal(token_ids=drafts)
         last = out.index_select(0, torch.tensor(batch.logits_rows, dtype=torch.int64, device=self.device))
-        return self._draft(requests, drafting, last, drafts)
+        trees = [n for n, (i, *_) in enumerate(drafting) if self._drafts_tree(requests[i])]
+        if not trees:
+            return self._draft(requests, drafting, last, drafts)
+        chains = sorted(set(range(len(drafting))) - set(trees))
+        prop = Proposal(token_ids=drafts)
+        if chains:
+            prop = self._draft(requests, [drafting[n] for n in chains], last[chains], drafts)
+        prop.parents = [None] * len(requests)
+        self._draft_trees([drafting[n] for n in trees], last[trees], drafts, prop.parents)
+        return prop
+
+    # ------------------------------------------------------------ trees
+    def _drafts_tree(self, r: DraftRequest) -> bool:
+        return self.tree is not None and r.tree
+
+    def _tree_nodes_run(self) -> int:
+        """Nodes a tree round runs the head over (and stores past the committed rows)."""
+        t = self.tree
+        return t.topk * (min(t.depth, t.num_draft_tokens - 1) - 1)
+
+    def _draft_trees(self, drafting, hidden: Tensor, drafts: list[list[int]],
+                     parents: list[list[int] | None]) -> None:
+        """EAGLE-2 dynamic trees (eagerly, whatever the device): from each request's last
+        real row, ``depth`` expansion steps; each runs the head once over the frontier (the
+        ``topk`` best nodes of the newest level by cumulative draft log-probability; each
+        attends to the committed rows and its own ancestors, stored past them) and scores
+        its ``topk`` children.  Then the ``max_drafts`` best nodes of all levels (a child
+        never outranks its parent: ties keep creation order), parents first."""
+        k, B = self.tree.topk, len(drafting)
+        depth = min(self.tree.depth, max(w for _, w, _, _ in drafting))
+        tree = TreeLevels(torch.log_softmax(self.head.logits(hidden).float(), dim=-1), k)
+        # Each frontier node's parent state (the head's output there; the last real row for level 1).
+        front_hidden = hidden.repeat_interleave(k, dim=0)  # (B*k, H)
+        masks: list[list[int]] = [[] for _ in range(B)]  # per request, its stored nodes' ancestor masks
+        parent_slot: list[list[int]] | None = None  # (B, k) each frontier node's parent in the previous one
+        for step in range(1, depth):
+            stored = (step - 1) * k  # nodes already stored past the committed rows
+            for b in range(B):
+                for j in range(k):
+                    up = masks[b][stored - k + parent_slot[b][j]] if parent_slot is not None else 0
+                    masks[b].append(up | (1 << (stored + j)))
+            inputs = [SeqInput([0] * k, last + 1 + stored, table, list(range(k)), positions=[last + step] * k,
+                               tree_base=last + 1, tree_masks=masks[b][stored:])
+                      for b, (_, _, last, table) in enumerate(drafting)]
+            batch = StepBatch.from_inputs(inputs, self.block_size)
+            meta, pos = head_metadata(batch, self.block_size, self.device, kernel=self.attention)
+            ids = self.head.to_target_ids(tree.frontier_tokens())
+            out = self.head(ids, front_hidden, pos, meta, self.kv)  # (B*k, H): writes the frontier's K/V
+            tree.grow(*torch.log_softmax(self.head.logits(out).float(), dim=-1).topk(k, dim=-1))  # (B*k, k)
+            if step + 1 < depth:  # the next frontier: the best k children
+                slot = tree.advance()  # the parent's place in the frontier just run
+                H = out.shape[-1]
+                front_hidden = out.view(B, k, H).gather(1, slot[..., None].expand(B, k, H)).reshape(B * k, H)
+                parent_slot = slot.tolist()
+        score, tok, parent = tree.pool()
+        choose_nodes([(i, w) for i, w, _, _ in drafting], score, self.head.to_target_ids(tok), parent, drafts,
+                     parents)
 
     def _draft(self, requests, drafting, hidden: Tensor, drafts: list[list[int]]) -> Proposal:
         """K autoregressive steps from the last real row of each drafting request; the
@@ -215,7 +283,7 @@ def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
     kv, trash = _head_kv(ctx, head)
     proposer = EagleProposer(
         head, k, kv, ctx.engine.block_size, kv_blocks,
-        probabilistic=spec.samples_drafts, trash_slot=trash,
+        probabilistic=spec.samples_drafts, trash_slot=trash, tree=spec.tree,
     )
     proposer.attention = runners.head_attention(t)
     proposer.static = runners.head_graphs(head, kv, t, block_size=ctx.engine.block_size, trash_slot=trash,
@@ -254,6 +322,11 @@ def eagle_memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) ->
     step = B * c.draft_vocab_size * (4 + dt)
     if probabilistic:  # the head's distribution under each request's filters, and q on the target vocabulary
         step += VERIFY_BYTES_PER_LOGIT * B * c.draft_vocab_size + B * a.vocab_size * 4
+    tree = spec.tree
+    if tree is not None and tree.enabled:  # a tree round's step: topk frontier rows per request, eagerly
+        rows = B * tree.topk
+        step = max(step, rows * c.draft_vocab_size * (8 + dt) + head_attention_bytes(
+            target, engine, rows, max_len, tree.topk, c.num_kv_heads, c.head_dim))
     aux = len(c.aux_layer_ids) or (3 if c.kind == "eagle3" else 1)
     return MemoryNeeds(
         kv_bytes_per_block=kv_bytes_per_block(1, engine.block_size, c.num_kv_heads, c.head_dim, dt) if own_kv else 0,

@@ -2,7 +2,7 @@
 the MLP speculator, the DFlash block): attention metadata for their paged KV caches, reading
 a few tensors of a checkpoint, fusing one decoder layer's weights, turning their
 logits into draft tokens (``HeadSampler``) and a round's drafts into a proposal
-(``DraftColumns``, ``narrow``).
+(``DraftColumns``, ``narrow``; draft trees: ``TreeLevels``, ``choose_nodes``).
 
 Drafts and draft distributions (``HeadSampler``):
 
@@ -11,11 +11,14 @@ Greedy requests, and every request under strict verification, draft the argmax
 probabilistic`` a sampled request's drafts are drawn from q = the head's
 distribution under the request's own temperature / top-k / top-p / min-p, and q
 is returned for the rejection sampler (accept d with min(1, p(d)/q(d))):
-lossless, and more drafts accepted than with one-hot q.  The draws are the
-request's keyed numbers ``u(seed, output position, DRAFT)``
-(:func:`draft_uniforms`: the same key as verification, another purpose, so the
-drafts are independent of the accept tests), so a seeded request's drafts do not
-depend on the batch it is in.  A head with a reduced draft vocabulary (EAGLE-3)
+lossless, and more drafts accepted than with one-hot q (``block`` verification
+likewise).  The draws are the request's keyed numbers ``u(seed, step, DRAFT,
+lane)`` (:func:`draft_uniforms`): the output position of the round's first draft
+and the draft's index + 1, another purpose than verification's, so the drafts
+are independent of the accept tests, a seeded request's drafts do not depend on
+the batch it is in, and no round reads a number an earlier round drew (block
+verification's outcome depends on every draft of its round, the ones past the
+emitted tokens included).  A head with a reduced draft vocabulary (EAGLE-3)
 gives its ``draft_to_target`` map: drafts come back as target ids and q on the
 target's vocabulary.
 """
@@ -39,11 +42,12 @@ from specserve.sampling.philox import DRAFT, keyed_uniforms
 from specserve.sampling.filters import SamplingTensors, logits_to_probs, sample_from_probs
 
 
-def draft_uniforms(seqs: list, positions: list[int], device: torch.device) -> Tensor:
-    """(B,) uniforms ``u(seq.seed, positions[b], DRAFT)`` for drafts sampled from q;
-    ``positions``: the output index each draft is a guess for."""
+def draft_uniforms(seqs: list, positions: list[int], device: torch.device, lanes: list[int] | None = None) -> Tensor:
+    """(B,) uniforms ``u(seq.seed, positions[b], DRAFT, lanes[b])`` for drafts sampled from q
+    (lane 0 when ``lanes`` is None)."""
     seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device)
-    return keyed_uniforms(seeds, torch.tensor(positions, dtype=torch.int64, device=device), 1, DRAFT)[:, 0]
+    lane = None if lanes is None else torch.tensor(lanes, dtype=torch.int64, device=device)[:, None]
+    return keyed_uniforms(seeds, torch.tensor(positions, dtype=torch.int64, device=device), 1, DRAFT, lane=lane)[:, 0]
 
 
 class HeadSampler:
@@ -63,9 +67,10 @@ class HeadSampler:
         """Whether any of these requests drafts by sampling (else argmax everywhere)."""
         return self.probabilistic and any(s.params.temperature >= GREEDY_EPS for s in seqs)
 
-    def draw(self, logits: Tensor, seqs: list, positions: list[int]) -> tuple[Tensor, Tensor | None]:
+    def draw(self, logits: Tensor, seqs: list, positions: list[int],
+             lanes: list[int] | None = None) -> tuple[Tensor, Tensor | None]:
         """Draft tokens (B,) (target ids) from logits (B, Vd), one row per request in ``seqs``;
-        ``positions``: the output index each draft is a guess for.  Returns the tokens
+        ``positions``, ``lanes``: the keys of each row's number (:func:`draft_uniforms`).  Returns the tokens
         and, when some row sampled, q (B, V) on the target's vocabulary (one-hot rows
         for greedy requests)."""
         d2t = self.draft_to_target
@@ -76,7 +81,7 @@ class HeadSampler:
         st = SamplingTensors.build([p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
                                    [p.min_p for p in ps], self.device)
         q = logits_to_probs(logits.float(), st)  # (B, Vd); greedy rows: one-hot at the argmax
-        tokens = sample_from_probs(q, draft_uniforms(seqs, positions, self.device))
+        tokens = sample_from_probs(q, draft_uniforms(seqs, positions, self.device, lanes))
         if d2t is None:
             return tokens, q
         q_target = torch.zeros(q.shape[0], self.vocab_size, device=self.device).index_copy_(1, d2t, q)
@@ -99,7 +104,8 @@ class DraftColumns:
     def draw(self, logits: Tensor, live: list[int], col: int) -> Tensor:
         """Column ``col`` (0-based) of the drafters ``live`` from their logits (len(live), V)."""
         seqs = [self.seqs[a] for a in live]
-        tokens, q = self.sampler.draw(logits, seqs, [s.num_output_tokens + col for s in seqs])
+        # keyed by the round (its first draft's output position) and the column, never reused
+        tokens, q = self.sampler.draw(logits, seqs, [s.num_output_tokens for s in seqs], [col + 1] * len(seqs))
         rows = [self.index[a] for a in live]
         if q is not None:
             self.probs[torch.tensor(rows, device=self.sampler.device), col] = q
@@ -151,6 +157,66 @@ def narrow(active: list[int], want: list[int], step: int, *tensors: Tensor) -> t
         tensors = tuple(t.index_select(0, sel) for t in tensors)
         active = [active[n] for n in keep]
     return active, tensors
+
+
+class TreeLevels:
+    """A batch's EAGLE-2 dynamic draft trees, grown a level at a time (one row per request).
+
+    Level 1 is the root's ``k`` best tokens.  Each further level gives every node of the
+    frontier (the ``k`` best of the newest level by cumulative draft log-probability) its
+    ``k`` best children, a child scored its parent's score plus its own log-probability.
+    Tokens are the drafter's ids; ``pool`` returns every node for ``choose_nodes``."""
+
+    def __init__(self, logprobs: Tensor, k: int):
+        score, tok = logprobs.topk(k, dim=-1)  # (B, k)
+        B = score.shape[0]
+        self.k = k
+        self.levels = [(score, tok, torch.full((B, k), -1, dtype=torch.int64, device=score.device))]
+        self.local = torch.arange(k, device=score.device).expand(B, k)  # the frontier's places in the newest level
+
+    def frontier_tokens(self) -> Tensor:
+        """(B * k,) the frontier's tokens, request by request."""
+        return self.levels[-1][1].gather(1, self.local).reshape(-1)
+
+    def grow(self, logprobs: Tensor, tokens: Tensor) -> None:
+        """A new level: ``logprobs``, ``tokens`` (B * k, k) the children of each frontier
+        node (``frontier_tokens`` order)."""
+        score = self.levels[-1][0]
+        B, k = score.shape[0], self.k
+        child_score = (score.gather(1, self.local).reshape(-1, 1) + logprobs).view(B, k * k)
+        base = sum(t.shape[1] for _, t, _ in self.levels[:-1])  # the newest level's first pool index
+        self.levels.append((child_score, tokens.reshape(B, k * k), (base + self.local).repeat_interleave(k, dim=1)))
+
+    def advance(self) -> Tensor:
+        """Make the newest level's ``k`` best nodes the frontier; returns (B, k) each one's
+        parent's place in the frontier just expanded (to carry a per-node state along)."""
+        self.local = self.levels[-1][0].topk(self.k, dim=-1).indices
+        return self.local // self.k
+
+    def pool(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(score, token, parent) (B, P) of every node, levels in order; a parent is a pool
+        index, -1 for the root."""
+        score, tok, parent = (torch.cat(t, dim=1) for t in zip(*self.levels))
+        return score, tok, parent
+
+
+def choose_nodes(rows: list[tuple[int, int]], score: Tensor, tokens: Tensor, parent: Tensor,
+                 drafts: list[list[int]], parents: list[list[int] | None]) -> None:
+    """Keep each tree's best nodes of a pool (``TreeLevels.pool``; ``tokens``: target ids)
+    in creation order, parents first; ``rows[b]``: (tree b's request index, nodes wanted).
+    A child never outranks its parent (its score adds a log-probability <= 0; the stable
+    sort keeps creation order on ties), so the kept nodes form a tree.  One read."""
+    P = tokens.shape[1]
+    W = min(max(w for _, w in rows), P)
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :W]
+    host = torch.cat([order, tokens, parent], dim=1).tolist()
+    for b, (i, w) in enumerate(rows):
+        row = host[b]
+        toks, par = row[W : W + P], row[W + P :]
+        nodes = sorted(row[: min(w, W)])
+        where = {p: n for n, p in enumerate(nodes)}
+        drafts[i] = [toks[p] for p in nodes]
+        parents[i] = [where[par[p]] if par[p] >= 0 else -1 for p in nodes]
 
 
 def head_metadata(batch: StepBatch, block_size: int, device: torch.device, window: int | None = None,

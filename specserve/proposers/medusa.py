@@ -13,6 +13,16 @@ under probabilistic verification (``heads.HeadSampler``).  No KV cache and nothi
 kept between rounds: a round runs K heads over the batch's hidden states
 (num_layers + 1 matmuls each).  K <= the number of heads.
 
+Trees (``method.tree``, ``depth`` <= the number of heads): every head reads the same
+state, so a tree costs no more head forwards than a chain of ``depth`` drafts.  Head d's
+``topk`` best tokens are the candidates at depth d + 1; the tree grows EAGLE-2 style
+(``heads.TreeLevels``: each level's ``topk`` best nodes by cumulative log-probability
+get head d's candidates as children, the same tokens under every parent) and keeps the
+``num_draft_tokens - 1`` best nodes, parents first (``heads.choose_nodes``).  Tree nodes
+are the heads' top-k whatever the verification (no q: trees are verified target-only);
+a request that needs a chain (``DraftRequest.tree`` false) drafts one of at most
+min(K, heads) tokens.
+
 Checkpoints (a directory with ``config.json``), in either published layout:
 
 * Medusa repo (FasterDecoding/Medusa): ``medusa_num_heads``, ``medusa_num_layers``;
@@ -51,9 +61,9 @@ from torch import Tensor, nn
 
 from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT
 from specserve.errors import ConfigError, ModelLoadError
-from specserve.methods import SpeculativeConfig
+from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import DraftColumns, HeadSampler, narrow, read_tensors
+from specserve.proposers.heads import DraftColumns, HeadSampler, TreeLevels, choose_nodes, narrow, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -239,9 +249,10 @@ def load_medusa(path: str, key: str, target_hidden: int, target_vocab: int) -> t
 
 class MedusaProposer:
     def __init__(self, model: MedusaHeads, token_map: Tensor | None, target: Any, num_spec_tokens: int,
-                 probabilistic: bool):
+                 probabilistic: bool, tree: TreeConfig | None = None):
         self.model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-        self.num_spec_tokens = num_spec_tokens  # K: the most drafts per request and step
+        self.num_spec_tokens = num_spec_tokens  # K: the most drafts (a tree: nodes) per request and step
+        self.tree = tree if tree is not None and tree.enabled else None  # method.tree, else chains only
         self.device = target.device
         self.dtype = target.dtype
         self.aux_layer_ids = (target.arch.num_layers,)  # final-normed hidden state of every row
@@ -257,13 +268,44 @@ class MedusaProposer:
         feats = step.aux[self.aux_layer_ids[0]]  # (T, H)
         last = torch.tensor([requests[i].hidden_rows[-1] for i in active], dtype=torch.int64, device=feats.device)
         hidden = feats.index_select(0, last).to(device=self.device, dtype=self.dtype)  # (B, H): one state per request
-        want = [min(self.num_spec_tokens, requests[i].max_drafts) for i in active]
+        trees = [n for n, i in enumerate(active) if self.tree is not None and requests[i].tree]
+        if not trees:
+            return self._chains(requests, active, hidden, drafts)
+        chains = sorted(set(range(len(active))) - set(trees))
+        prop = Proposal(token_ids=drafts)
+        if chains:
+            prop = self._chains(requests, [active[n] for n in chains], hidden[chains], drafts)
+        prop.parents = [None] * len(requests)
+        self._trees(requests, [active[n] for n in trees], hidden[trees], drafts, prop.parents)
+        return prop
+
+    def _chains(self, requests: list[DraftRequest], active: list[int], hidden: Tensor,
+                drafts: list[list[int]]) -> Proposal:
+        """Head k's draft (argmax, or drawn from q) at column k; at most one per head."""
+        want = [min(self.num_spec_tokens, self.model.num_heads, requests[i].max_drafts) for i in active]
         out = DraftColumns(self.sampler, len(requests), active, [requests[i].seq for i in active], want)
         rows = list(range(len(active)))  # positions in `active` still drafting
         for k in range(max(want)):
             rows, (hidden,) = narrow(rows, want, k, hidden)
             out.draw(self.model(k, hidden), rows, k)
         return out.proposal(drafts)
+
+    def _trees(self, requests: list[DraftRequest], active: list[int], hidden: Tensor, drafts: list[list[int]],
+               parents: list[list[int] | None]) -> None:
+        """EAGLE-2 dynamic trees from the heads' top-k: head d's candidates (B, topk) are
+        the children of every frontier node at depth d, so nothing is run per node."""
+        k = self.tree.topk
+        want = [min(self.num_spec_tokens, requests[i].max_drafts) for i in active]
+        depth = min(self.tree.depth, max(want))  # <= the number of heads (build checks it)
+        tree = TreeLevels(torch.log_softmax(self.model(0, hidden), dim=-1), k)
+        for d in range(1, depth):
+            if d > 1:
+                tree.advance()  # the next frontier: the newest level's k best nodes
+            lp, tok = torch.log_softmax(self.model(d, hidden), dim=-1).topk(k, dim=-1)  # (B, k)
+            tree.grow(lp.repeat_interleave(k, dim=0), tok.repeat_interleave(k, dim=0))  # the same under each parent
+        score, tok, parent = tree.pool()
+        d2t = self.sampler.draft_to_target
+        choose_nodes(list(zip(active, want)), score, tok if d2t is None else d2t[tok], parent, drafts, parents)
 
     def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         pass  # stateless between rounds
@@ -298,7 +340,11 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MedusaProposer:
     key = "method.model" if spec.model else "draft.path"
     target = ctx.target
     model, token_map = load_medusa(path, key, target.arch.hidden_size, target.arch.vocab_size)
-    if spec.num_speculative_tokens > model.num_heads:
+    tree = spec.tree if spec.tree is not None and spec.tree.enabled else None
+    if tree is not None and tree.depth > model.num_heads:
+        raise ConfigError("method.tree.depth", f"{tree.depth} exceeds the Medusa checkpoint's {model.num_heads} "
+                                               f"heads (head d drafts depth d + 1); use depth <= {model.num_heads}")
+    if tree is None and spec.num_speculative_tokens > model.num_heads:
         raise ConfigError(
             "method.num_speculative_tokens",
             f"{spec.num_speculative_tokens} exceeds the Medusa checkpoint's {model.num_heads} heads; use K <= "
@@ -307,4 +353,4 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MedusaProposer:
     log.info("medusa: %d heads of %d blocks, K=%d%s", model.num_heads, len(model.blocks[0]),
              spec.num_speculative_tokens, f", {len(token_map)}-token draft vocabulary" if token_map is not None else "")
     return MedusaProposer(model, token_map, target, spec.num_speculative_tokens,
-                          spec.samples_drafts)
+                          spec.samples_drafts, tree)

@@ -22,6 +22,16 @@ the token just committed after it.  ``ln`` is a LayerNorm with weight and bias (
 1e-6); GELU is the exact (erf) one.  K must be <= n_predict.  No KV cache: each
 round is n_predict small matmuls per request.  Drafts: argmax, or sampled with q for
 probabilistic verification (``heads.HeadSampler``).
+
+Trees (``method.tree``, ``depth`` <= n_predict): EAGLE-2 dynamic trees
+(``heads.TreeLevels``).  Stage 0 on the request's state gives the first level (its
+``topk`` best tokens); stage d runs once over the frontier (the ``topk`` best nodes of
+the newest level by cumulative log-probability), each node with its own state (the
+state its parent's stage produced) and token, and each node's ``topk`` best tokens join
+as its children.  The ``num_draft_tokens - 1`` best nodes are kept, parents first
+(``heads.choose_nodes``).  Tree nodes are the stages' top-k whatever the verification
+(no q: trees are verified target-only); a request that needs a chain
+(``DraftRequest.tree`` false) drafts one of at most min(K, n_predict) tokens.
 """
 
 from __future__ import annotations
@@ -38,9 +48,9 @@ from torch import Tensor, nn
 
 from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT
 from specserve.errors import ConfigError, ModelLoadError
-from specserve.methods import SpeculativeConfig
+from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import DraftColumns, HeadSampler, narrow, read_tensors
+from specserve.proposers.heads import DraftColumns, HeadSampler, TreeLevels, choose_nodes, narrow, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +121,11 @@ def load_mlp_speculator(path: str, key: str, target_hidden: int, target_vocab: i
 
 
 class MLPSpeculatorProposer:
-    def __init__(self, model: MLPSpeculator, target: Any, num_spec_tokens: int, probabilistic: bool):
+    def __init__(self, model: MLPSpeculator, target: Any, num_spec_tokens: int, probabilistic: bool,
+                 tree: TreeConfig | None = None):
         self.model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-        self.num_spec_tokens = num_spec_tokens  # K: the most drafts per request and step
+        self.num_spec_tokens = num_spec_tokens  # K: the most drafts (a tree: nodes) per request and step
+        self.tree = tree if tree is not None and tree.enabled else None  # method.tree, else chains only
         self.device = target.device
         self.dtype = target.dtype
         self.aux_layer_ids = (target.arch.num_layers,)  # final-normed hidden state of every row
@@ -129,7 +141,21 @@ class MLPSpeculatorProposer:
         last = torch.tensor([requests[i].hidden_rows[-1] for i in active], dtype=torch.int64, device=feats.device)
         state = self.model.first_state(feats.index_select(0, last).to(device=self.device, dtype=self.dtype))
         tokens = torch.tensor([requests[i].seq.token_ids[-1] for i in active], dtype=torch.int64, device=self.device)
-        want = [min(self.num_spec_tokens, requests[i].max_drafts) for i in active]
+        trees = [n for n, i in enumerate(active) if self.tree is not None and requests[i].tree]
+        if not trees:
+            return self._chains(requests, active, state, tokens, drafts)
+        chains = sorted(set(range(len(active))) - set(trees))
+        prop = Proposal(token_ids=drafts)
+        if chains:
+            prop = self._chains(requests, [active[n] for n in chains], state[chains], tokens[chains], drafts)
+        prop.parents = [None] * len(requests)
+        self._trees(requests, [active[n] for n in trees], state[trees], tokens[trees], drafts, prop.parents)
+        return prop
+
+    def _chains(self, requests: list[DraftRequest], active: list[int], state: Tensor, tokens: Tensor,
+                drafts: list[list[int]]) -> Proposal:
+        """Stage s's draft (argmax, or drawn from q) at column s, fed to stage s + 1."""
+        want = [min(self.num_spec_tokens, self.model.n_predict, requests[i].max_drafts) for i in active]
         out = DraftColumns(self.sampler, len(requests), active, [requests[i].seq for i in active], want)
         rows = list(range(len(active)))  # positions in `active` still drafting
         for s in range(max(want)):
@@ -137,6 +163,26 @@ class MLPSpeculatorProposer:
             state, logits = self.model.stage(s, state, tokens)
             tokens = out.draw(logits, rows, s)
         return out.proposal(drafts)
+
+    def _trees(self, requests: list[DraftRequest], active: list[int], state: Tensor, tokens: Tensor,
+               drafts: list[list[int]], parents: list[list[int] | None]) -> None:
+        """EAGLE-2 dynamic trees: stage d runs over the frontier (B * topk rows), each node
+        carrying the state its parent's stage left (level 1: stage 0's one state)."""
+        k, B = self.tree.topk, len(active)
+        want = [min(self.num_spec_tokens, requests[i].max_drafts) for i in active]
+        depth = min(self.tree.depth, max(want))  # <= n_predict (build checks it)
+        state, logits = self.model.stage(0, state, tokens)
+        tree = TreeLevels(torch.log_softmax(logits, dim=-1), k)
+        front_state = state.repeat_interleave(k, dim=0)  # (B*k, inner): level 1's parent state
+        for d in range(1, depth):
+            state, logits = self.model.stage(d, front_state, tree.frontier_tokens())
+            tree.grow(*torch.log_softmax(logits, dim=-1).topk(k, dim=-1))  # (B*k, k)
+            if d + 1 < depth:  # the next frontier: the best k children, each with its parent's new state
+                slot = tree.advance()
+                S = state.shape[-1]
+                front_state = state.view(B, k, S).gather(1, slot[..., None].expand(B, k, S)).reshape(B * k, S)
+        score, tok, parent = tree.pool()
+        choose_nodes(list(zip(active, want)), score, tok, parent, drafts, parents)
 
     def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         pass  # stateless between rounds
@@ -147,7 +193,8 @@ class MLPSpeculatorProposer:
 
 def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> MemoryNeeds:
     """The stages' weights from config.json (each stage holds its own tensors, tied ones
-    copied), and a stage's logits per round (with sampling and q when probabilistic)."""
+    copied), and a stage's logits per round (a tree's stage: ``topk`` rows per request; with
+    sampling and q when probabilistic)."""
     path = spec.model or (draft.path if draft is not None else None)
     cfg_file = Path(path).expanduser() / "config.json" if path else None
     if cfg_file is None or not cfg_file.is_file():
@@ -161,7 +208,9 @@ def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memor
     dt, B, k = target.dtype_bytes, engine.max_num_seqs, spec.num_speculative_tokens
     params = n * (2 * V * inner + 2 * inner) + emb * inner + (n - 1) * inner * inner  # emb, head, ln; proj
     probabilistic = spec.samples_drafts
-    step = B * V * (4 + dt) + (VERIFY_BYTES_PER_LOGIT * B * V if probabilistic else 0)
+    tree = spec.tree
+    rows = B * tree.topk if tree is not None and tree.enabled else B  # a tree stage runs over the frontier
+    step = rows * V * (4 + dt) + (VERIFY_BYTES_PER_LOGIT * B * V if probabilistic else 0)
     return MemoryNeeds(weight_bytes=params * dt, transient_bytes=step,
                        draft_probs_bytes=B * k * V * 4 if probabilistic else 0, aux_layers=1)
 
@@ -171,7 +220,11 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MLPSpeculatorPropose
     key = "method.model" if spec.model else "draft.path"
     target = ctx.target
     model = load_mlp_speculator(path, key, target.arch.hidden_size, target.arch.vocab_size)
-    if spec.num_speculative_tokens > model.n_predict:
+    tree = spec.tree if spec.tree is not None and spec.tree.enabled else None
+    if tree is not None and tree.depth > model.n_predict:
+        raise ConfigError("method.tree.depth", f"{tree.depth} exceeds the MLP speculator's n_predict "
+                                               f"({model.n_predict}); use depth <= {model.n_predict}")
+    if tree is None and spec.num_speculative_tokens > model.n_predict:
         raise ConfigError(
             "method.num_speculative_tokens",
             f"{spec.num_speculative_tokens} exceeds the MLP speculator's n_predict ({model.n_predict}); use K <= "
@@ -180,4 +233,4 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MLPSpeculatorPropose
     log.info("mlp_speculator: %d stages, inner_dim %d, K=%d", model.n_predict, model.proj[0].out_features,
              spec.num_speculative_tokens)
     return MLPSpeculatorProposer(model, target, spec.num_speculative_tokens,
-                                 spec.samples_drafts)
+                                 spec.samples_drafts, tree)

@@ -168,14 +168,15 @@ class PredictedOutputs:
         pred = [self.drafts_for(r) if r.max_drafts > 0 else [] for r in requests]
         if inner is None:
             return Proposal(token_ids=pred), [len(p) for p in pred]
-        sub = [DraftRequest(r.seq, 0 if p else min(r.max_drafts, inner_num_spec_tokens), r.hidden_rows)
+        sub = [DraftRequest(r.seq, 0 if p else min(r.max_drafts, inner_num_spec_tokens), r.hidden_rows, tree=r.tree)
                for r, p in zip(requests, pred)]
         prop = inner.propose(sub, step)
         tokens = [p if p else list(t[: s.max_drafts]) for p, t, s in zip(pred, prop.token_ids, sub)]
         probs = prop.probs
         if probs is not None and any(pred):
             probs = one_hot_rows(probs, tokens, [bool(p) for p in pred])
-        return Proposal(token_ids=tokens, probs=probs), [len(p) for p in pred]
+        parents = None if prop.parents is None else [None if p else t for p, t in zip(pred, prop.parents)]
+        return Proposal(token_ids=tokens, probs=probs, parents=parents), [len(p) for p in pred]
 
     def remove(self, request_id: str) -> None:
         """The release hook of the request's index (see the module docstring)."""

@@ -31,8 +31,11 @@ is for (:func:`keyed_uniforms`)::
 ``pos`` is the index of the output token the number decides (0 = the first
 generated token) and ``purpose`` one of :data:`SAMPLE` (the target's token at
 that position, by inverse CDF), :data:`ACCEPT` (the accept test of a draft
-there, probabilistic verification) and :data:`DRAFT` (a drafter sampling its
-guess for that position).  So the target's token at output position ``pos`` is
+there, probabilistic verification), :data:`DRAFT` (a drafter sampling its
+guess for that position) and :data:`TREE_ACCEPT` (the accept test of a draft
+tree's sibling there).  An optional ``lane``, the fourth counter word (0 unless
+given), keys several numbers of one purpose at one position: a tree's siblings
+by their rank, a drafter's drafts by their index.  So the target's token at output position ``pos`` is
 drawn with the same number whether the position is verified as a draft, as a
 bonus token or by plain decoding, whatever K is, whether speculation is on, and
 whoever else is in the batch: under strict verification a seeded request emits
@@ -69,6 +72,7 @@ __all__ = [
     "DRAFT",
     "PHILOX_ROUNDS",
     "SAMPLE",
+    "TREE_ACCEPT",
     "keyed_uniforms",
     "philox4x32_10",
     "philox_uniforms",
@@ -81,7 +85,8 @@ PHILOX_ROUNDS = 10
 SAMPLE = 0  # the target's token there (inverse CDF of the processed distribution)
 ACCEPT = 1  # the accept test of a draft there (probabilistic verification)
 DRAFT = 2  # a drafter's sample of its guess there (drafts with a distribution q)
-PURPOSES = (SAMPLE, ACCEPT, DRAFT)
+TREE_ACCEPT = 3  # the accept test of a draft tree's sibling there (keyed by its rank: the lane)
+PURPOSES = (SAMPLE, ACCEPT, DRAFT, TREE_ACCEPT)
 _M0 = 0xD2511F53  # round multipliers (Random123 PHILOX_M4x32_0/1)
 _M1 = 0xCD9E8D57
 _W0 = 0x9E3779B9  # key schedule increments (golden ratio, sqrt(3) - 1)
@@ -179,14 +184,16 @@ def philox_uniforms(seed: Tensor, offset: Tensor, n: int) -> Tensor:
     return (x >> 8).to(torch.float32) * (2.0**-24)
 
 
-def keyed_uniforms(seed: Tensor, position: Tensor, n: int, purpose: int) -> Tensor:
+def keyed_uniforms(seed: Tensor, position: Tensor, n: int, purpose: int, lane: Tensor | None = None) -> Tensor:
     """Uniforms (B, n) float32 in [0, 1): ``[b, j] = u(seed[b], position[b] + j, purpose)``.
 
     Args:
         seed: (B,) int64, each row's 64-bit key (:func:`seed_to_int64`).
         position: (B,) int64 >= 0, the output position of each row's first number.
         n: consecutive positions per row (a Python int: the shape is static).
-        purpose: :data:`SAMPLE`, :data:`ACCEPT` or :data:`DRAFT`.
+        purpose: :data:`SAMPLE`, :data:`ACCEPT`, :data:`DRAFT` or :data:`TREE_ACCEPT`.
+        lane: None (0), or int64 values in [0, 2**32) broadcastable to (B, n): the fourth
+            counter word, which keys several numbers of one purpose at one position.
 
     A number depends on nothing but its (seed, position, purpose): not on the
     batch, the row, how many numbers were drawn before, or K.  No host sync.
@@ -206,8 +213,8 @@ def keyed_uniforms(seed: Tensor, position: Tensor, n: int, purpose: int) -> Tens
     c0 = pos & _MASK32
     c1 = (pos >> 32) & _MASK32
     c2 = torch.full_like(c0, purpose)
-    zero = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0) if lane is None else (lane & _MASK32).expand_as(c0)
     k0 = (seed & _MASK32)[:, None]  # (B, 1)
     k1 = ((seed >> 32) & _MASK32)[:, None]
-    x = philox4x32_10(c0, c1, c2, zero, k0, k1)[0]  # (B, n): word 0 of each block
+    x = philox4x32_10(c0, c1, c2, c3, k0, k1)[0]  # (B, n): word 0 of each block
     return (x >> 8).to(torch.float32) * (2.0**-24)

@@ -15,6 +15,17 @@ Methods:
   probability min(1, p_i(d_i) / q_i(d_i)); on rejection emit a sample of
   normalize(max(p_i - q_i, 0)).  Lossless; accepts more than strict when q is a
   real distribution.  Without draft probabilities q is one-hot at d_i.
+- ``block`` (Sun et al. 2024, "Block Verification Accelerates Speculative
+  Decoding"): the n drafts are verified as one block.  A weight carries the
+  evidence of the prefix, w_0 = 1, w_i = min(1, w_{i-1} p_i(d_i) / q_i(d_i)); the
+  block keeps its longest prefix i whose test u_i < h_i passes (all n tests are
+  run), with h_n = w_n and, for i < n, h_i = r_i / (r_i + 1 - w_i), r_i the mass
+  of max(w_i p_{i+1} - q_{i+1}, 0); after i < n it emits a sample of that
+  residual (normalised), after n the bonus.  Lossless (the completed sequence
+  follows the target), never fewer tokens than ``probabilistic`` in expectation
+  (it is optimal among verifiers of one draft chain), and with one-hot (greedy)
+  targets exactly strict.  The tests of a block are decided together, so its
+  accept numbers must be fresh for every step (``sampler.step_uniforms``).
 - ``synthetic``: accept position i iff u < rate.  NOT lossless: benchmarking only.
 
 One public function, :func:`verify_chain`, verifies a batch of draft chains: the
@@ -44,6 +55,7 @@ __all__ = [
     "REJECTION_METHODS",
     "RejectionOutput",
     "RejectionUniforms",
+    "check_method",
     "verify_chain",
 ]
 
@@ -52,7 +64,7 @@ __all__ = [
 class RejectionUniforms:
     """The random numbers of one verification step, one row per request."""
 
-    accept: Tensor  # [B, K] float32 in [0, 1): accept tests (probabilistic, synthetic)
+    accept: Tensor  # [B, K] float32 in [0, 1): accept tests (probabilistic, block, synthetic)
     sample: Tensor  # [B, K+1] float32 in [0, 1): inverse-CDF draws at each position
 
 
@@ -96,7 +108,7 @@ def verify_chain(
             (n-gram, suffix, greedy drafters): q is then one-hot at the draft.
         uniforms: the step's random numbers; not needed with ``target_tokens`` unless
             the method is synthetic.
-        method: "strict", "probabilistic" or "synthetic".
+        method: "strict", "probabilistic", "block" or "synthetic".
         synthetic_acceptance_rate: in [0, 1], required with (and only with) "synthetic".
             Synthetic acceptance is NOT lossless: it accepts drafts with a fixed
             probability regardless of the target and exists to benchmark the
@@ -106,10 +118,13 @@ def verify_chain(
             position (greedy rows: the argmax of the raw logits), instead of
             ``target_probs``.  Strict verification then accepts while d_i equals
             them, which is exactly plain greedy decoding; synthetic accepts by the
-            rate.  Probabilistic needs probabilities (on one-hot targets it is strict).
+            rate.  Probabilistic and block need probabilities (on one-hot targets
+            both are strict).
         use_kernel: None = the Triton kernel when the tensors are on CUDA and
             triton is importable (strict/probabilistic on probabilities); True forces
-            it (on CPU it runs under Triton's interpreter); False forces the torch reference.
+            it (on CPU it runs under Triton's interpreter); False forces the torch
+            reference.  Block verification has no kernel: its torch path runs on the
+            tensors' device without a host synchronisation.
         validate: check shapes, dtypes and (on the CPU) values first.  The device
             sampler passes False: it has checked its inputs, and reading values on the
             host would synchronise the step.
@@ -117,14 +132,8 @@ def verify_chain(
     Returns:
         RejectionOutput; row b emits output_token_ids[b, :num_accepted[b] + 1].
     """
-    if method not in REJECTION_METHODS:
-        raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
+    check_method(method, synthetic_acceptance_rate)
     rate = synthetic_acceptance_rate
-    if method == "synthetic":
-        if rate is None or not 0.0 <= rate <= 1.0:
-            raise ValueError(f"synthetic_acceptance_rate: must be in [0, 1] with method 'synthetic', got {rate}")
-    elif rate is not None:
-        raise ValueError(f"synthetic_acceptance_rate: only valid with method 'synthetic', not {method!r}")
     if target_tokens is not None:
         return _verify_tokens(target_probs, target_tokens, draft_token_ids, num_draft_tokens, uniforms, method, rate,
                               use_kernel, validate)
@@ -138,9 +147,11 @@ def verify_chain(
             raise ValueError("uniforms: required to verify against target_probs")
         _check_uniforms(uniforms, B, K, draft_token_ids.device)
 
+    if method in ("synthetic", "block") and use_kernel:
+        raise ValueError("use_kernel: the Triton kernel implements strict and probabilistic only")
+    if method == "block":
+        return _block(target_probs, draft_token_ids, num_draft_tokens, draft_probs, uniforms)
     if method == "synthetic":
-        if use_kernel:
-            raise ValueError("use_kernel: the Triton kernel implements strict and probabilistic only")
         t = _sample_positions(target_probs, uniforms.sample)  # [B, K+1]; greedy rows: argmax
         return _chain(t, uniforms.accept < rate, draft_token_ids, num_draft_tokens)
 
@@ -161,13 +172,26 @@ def verify_chain(
     return _probabilistic(target_probs, draft_token_ids, num_draft_tokens, draft_probs, uniforms)
 
 
+def check_method(method: str, synthetic_acceptance_rate: float | None = None) -> None:
+    """``method`` is a verification method, with a synthetic acceptance rate in [0, 1]
+    exactly when it is "synthetic"; ValueError naming the argument otherwise."""
+    rate = synthetic_acceptance_rate
+    if method not in REJECTION_METHODS:
+        raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
+    if method == "synthetic":
+        if rate is None or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"synthetic_acceptance_rate: must be in [0, 1] with method 'synthetic', got {rate}")
+    elif rate is not None:
+        raise ValueError(f"synthetic_acceptance_rate: only valid with method 'synthetic', not {method!r}")
+
+
 def _verify_tokens(target_probs, target_tokens, draft_token_ids, num_draft_tokens, uniforms, method, rate,
                    use_kernel, validate) -> RejectionOutput:
     """Verification against the target's tokens already chosen (no probabilities)."""
     if target_probs is not None:
         raise ValueError("target_tokens: give target_probs or target_tokens, not both")
-    if method == "probabilistic":
-        raise ValueError("method: probabilistic verification needs target_probs, not target_tokens")
+    if method in ("probabilistic", "block"):
+        raise ValueError(f"method: {method} verification needs target_probs, not target_tokens")
     if use_kernel:
         raise ValueError("use_kernel: the Triton kernel verifies target_probs, not target_tokens")
     if validate:
@@ -295,6 +319,72 @@ def _probabilistic(target_probs: Tensor, draft_token_ids: Tensor, num_draft_toke
         p = torch.where(has_mass, residual, p)
     emit = sample_from_probs(p, uniforms.sample[rows, pos])  # [B]
     return _finish(emit, emit[:, None], draft_token_ids, num_accepted)
+
+
+def _block(target_probs: Tensor, draft_token_ids: Tensor, num_draft_tokens: Tensor,
+           draft_probs: Tensor | None, uniforms: RejectionUniforms) -> RejectionOutput:
+    """Block verification (see the module docstring), vectorised over the batch."""
+    B, K = draft_token_ids.shape
+    dev = draft_token_ids.device
+    rows = torch.arange(B, device=dev)
+    ids = draft_token_ids.clamp(min=0)[:, :, None]  # [B, K, 1]; padding -> 0 (only positions > n use it)
+    p_d = target_probs[:, :K].gather(2, ids).squeeze(2)  # [B, K] p_i(d_i)
+    q_d = draft_probs.gather(2, ids).squeeze(2) if draft_probs is not None else torch.ones_like(p_d)
+    w = _block_weights(p_d, q_d)  # [B, K+1]; w[:, i] after i accepted drafts
+    n = num_draft_tokens
+    length = torch.arange(1, K + 1, device=dev)[None, :]  # [1, K]: the block lengths i
+    mass = _block_residual_mass(w, target_probs, draft_probs, p_d)  # [B, K]: r_i at column i - 1
+    denom = mass + 1.0 - w[:, 1:]
+    # r_i = 0 with w_i = 1 means p = q there: stopping at i is impossible, and h_i = 1 keeps it so
+    h = torch.where(denom > 0, mass / denom.clamp(min=torch.finfo(denom.dtype).tiny), torch.ones_like(mass))
+    h = torch.where(length == n[:, None], w[:, 1:], h)  # the whole block: h_n = w_n
+    passed = (uniforms.accept < h) & (length <= n[:, None])  # [B, K]
+    num_accepted = (passed.to(torch.int64) * length).amax(dim=1) if K else torch.zeros_like(n)  # the longest
+
+    pos = num_accepted  # [B] position of the emitted token
+    p = target_probs[rows, pos]  # [B, V]
+    if K > 0:
+        qpos = pos.clamp(max=K - 1)
+        if draft_probs is not None:
+            q = draft_probs[rows, qpos]  # [B, V]
+        else:
+            q = torch.zeros_like(p).scatter_(1, ids[rows, qpos], 1.0)  # one-hot at d_pos
+        residual = torch.clamp(w[rows, pos][:, None] * p - q, min=0.0)  # [B, V]
+        # the bonus after the whole block; an all-zero residual (rounding) falls back to p
+        use = (pos < n)[:, None] & (residual > 0).any(dim=1, keepdim=True)
+        p = torch.where(use, residual, p)
+    emit = sample_from_probs(p, uniforms.sample[rows, pos])  # [B]
+    return _finish(emit, emit[:, None], draft_token_ids, num_accepted)
+
+
+def _block_weights(p_d: Tensor, q_d: Tensor) -> Tensor:
+    # [B, K] p_i(d_i), q_i(d_i) -> [B, K+1]: w_0 = 1, w_i = min(1, w_{i-1} p_i(d_i) / q_i(d_i)).
+    # min(w p, q) / q is exactly 1 when w p >= q; q = 0 (a draft q never proposes) keeps w > 0 at 1.
+    B, K = p_d.shape
+    w = [torch.ones(B, dtype=p_d.dtype, device=p_d.device)]
+    for i in range(K):
+        wp = w[-1] * p_d[:, i]
+        q = q_d[:, i]
+        w.append(torch.where(q > 0, torch.minimum(wp, q) / q.clamp(min=torch.finfo(q.dtype).tiny),
+                             (wp > 0).to(p_d.dtype)))
+    return torch.stack(w, dim=1)
+
+
+def _block_residual_mass(w: Tensor, target_probs: Tensor, draft_probs: Tensor | None, p_d: Tensor) -> Tensor:
+    # [B, K]: column i - 1 holds r_i = sum_x max(w_i p_{i+1}(x) - q_{i+1}(x), 0) for i = 1..K-1
+    # (distributions at 0-based position i); the last column (i = K, never a stop before n) is 0.
+    B, K1, V = target_probs.shape
+    K = K1 - 1
+    mass = torch.zeros(B, K, dtype=target_probs.dtype, device=target_probs.device)
+    if K < 2:
+        return mass
+    wi = w[:, 1:K, None]  # [B, K-1, 1]
+    if draft_probs is not None:
+        r = torch.clamp(wi * target_probs[:, 1:K] - draft_probs[:, 1:K], min=0.0).sum(dim=2)
+    else:  # one-hot q at d: w (1 - p(d)) + max(w p(d) - 1, 0), and w p(d) <= 1
+        r = wi[:, :, 0] * (1.0 - p_d[:, 1:K])
+    mass[:, : K - 1] = r
+    return mass
 
 
 def _triton_available() -> bool:

@@ -19,13 +19,14 @@ device, shape-static and free of host synchronisation:
    :func:`specserve.sampling.filters.logits_to_probs`);
 3. uniforms, keyed by output position (:func:`keyed_uniforms`): the inverse-CDF
    draws ``u(seed, position + j, SAMPLE)`` for j = 0..K and the accept tests
-   ``u(seed, position + j, ACCEPT)`` for j < K (:class:`RejectionUniforms`);
+   ``u(seed, position + j, ACCEPT)`` for j < K (:class:`RejectionUniforms`; block
+   verification's accept tests are keyed by the step instead: :func:`step_uniforms`);
 4. verification by :func:`specserve.sampling.rejection.verify_chain`, the one
    verification API (its torch reference, or on CUDA the Triton kernel of
    :mod:`specserve.kernels.rejection_kernel` for strict/probabilistic).  When every
    row is greedy (and the method is not synthetic) the probabilities are skipped:
    the target's tokens are ``argmax`` and drafts are accepted while they match
-   (``verify_chain(target_tokens=...)``).  Under ``probabilistic``, rows whose
+   (``verify_chain(target_tokens=...)``).  Under ``probabilistic`` and ``block``, rows whose
    drafts carry no distribution (n-gram, suffix, predictions, argmax drafters)
    are verified strictly: see below.
 
@@ -59,6 +60,12 @@ What a seeded request is guaranteed:
   not plain decoding's, and with adaptive K they may differ from run to run,
   because whether a position is verified as a draft (accept test, residual) or
   as a bonus (plain sample) depends on the draft lengths chosen.
+* ``block`` rows whose drafts carry q: lossless and reproducible as
+  ``probabilistic`` is.  Its accept tests, and the drafts a proposer samples from q,
+  read numbers keyed by the step's first position and their index in the step
+  (``u(seed, position, purpose, lane)``, :func:`block_uniforms`): the block's outcome
+  depends on every draft and test of the step, so those of positions past the
+  emitted tokens must not be read again by the next step, which starts there.
 * ``synthetic``: not lossless (benchmarking only).
 
 Host flags
@@ -94,17 +101,18 @@ from torch import Tensor
 
 import specserve.sampling.rejection as rejection
 from specserve.executor.staging import StagingBuffer, Transfer
-from specserve.methods import REJECTION_METHODS
+from specserve.methods import Q_VERIFICATION_METHODS
 from specserve.request import GREEDY_EPS
 from specserve.sampling.filters import SamplingTensors, logits_to_probs
 from specserve.sampling.philox import ACCEPT, SAMPLE, keyed_uniforms, seed_to_int64
-from specserve.sampling.rejection import RejectionUniforms
+from specserve.sampling.rejection import RejectionUniforms, check_method
 
 __all__ = [
     "DeviceSampler",
     "RequestTensors",
     "SamplerFlags",
     "StepInputs",
+    "block_uniforms",
     "process_logits",
     "step_uniforms",
     "unpack",
@@ -112,14 +120,33 @@ __all__ = [
 ]
 
 
-def step_uniforms(seed: Tensor, position: Tensor, K: int) -> RejectionUniforms:
+def step_uniforms(seed: Tensor, position: Tensor, K: int, method: str = "strict") -> RejectionUniforms:
     """The numbers of one verification step: row b's positions ``position[b] .. + K``.
 
     ``sample[b, j] = u(seed[b], position[b] + j, SAMPLE)`` (j <= K) and
     ``accept[b, j] = u(seed[b], position[b] + j, ACCEPT)`` (j < K).
+
+    ``method="block"``: ``accept[b, j] = u(seed[b], position[b], ACCEPT, lane j + 1)``,
+    keyed by the step's first position.  Block verification decides with all K tests,
+    so the numbers of the positions past the emitted tokens are not independent of
+    the outcome, and the next step (which starts right after them) must not read them
+    again; its own first position differs, so its lanes are fresh.  The other methods
+    read no number past the emitted position.
     """
-    return RejectionUniforms(accept=keyed_uniforms(seed, position, K, ACCEPT),
-                             sample=keyed_uniforms(seed, position, K + 1, SAMPLE))
+    sample = keyed_uniforms(seed, position, K + 1, SAMPLE)
+    if method == "block":
+        return RejectionUniforms(accept=block_uniforms(seed, position, K, ACCEPT), sample=sample)
+    return RejectionUniforms(accept=keyed_uniforms(seed, position, K, ACCEPT), sample=sample)
+
+
+def block_uniforms(seed: Tensor, position: Tensor, n: int, purpose: int) -> Tensor:
+    """(B, n) ``u(seed[b], position[b], purpose, lane j + 1)``: n numbers for the step that
+    starts at ``position[b]``, none of them a positional number (lane 0) nor another
+    step's (their first positions differ)."""
+    B = seed.shape[0]
+    lanes = torch.arange(1, n + 1, dtype=torch.int64, device=seed.device).repeat(B)[:, None]  # (B*n, 1)
+    u = keyed_uniforms(seed.repeat_interleave(n), position.repeat_interleave(n), 1, purpose, lane=lanes)
+    return u.view(B, n)
 
 
 @dataclass(frozen=True)
@@ -305,11 +332,12 @@ def verify_step(
         draft_ids: (B, K) int64, -1 beyond num_drafts[b].  K = 0: plain decoding.
         num_drafts: (B,) int64 in 0..K.
         req: per-request tensors (B,) and host flags.
-        method: "strict", "probabilistic" or "synthetic" (+ ``synthetic_acceptance_rate``).
-        draft_probs: (B, K, V) float32 draft distributions for "probabilistic"; None =
+        method: "strict", "probabilistic", "block" or "synthetic" (+ ``synthetic_acceptance_rate``).
+        draft_probs: (B, K, V) float32 draft distributions for "probabilistic" and "block"; None =
             no row's drafts carry one (n-gram, suffix, argmax drafters): then every row
             is verified strictly (the same distribution as probabilistic with one-hot q,
             and the tokens of plain decoding for the request's seed).  Ignored by the others.
+            Block verification has no kernel: it runs in torch on the logits' device.
         draft_has_q: (B,) bool with ``draft_probs``: which rows' drafts were sampled from
             their ``draft_probs`` row; the others are verified strictly.  None = all.
         use_kernel: None = the Triton kernel for strict/probabilistic when ``logits`` is on
@@ -320,23 +348,17 @@ def verify_step(
         Random numbers are keyed by (seed, output position, purpose) (:func:`step_uniforms`):
         nothing to advance.  Nothing here reads a device value on the host.
     """
-    if method not in REJECTION_METHODS:
-        raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
+    check_method(method, synthetic_acceptance_rate)
     rate = synthetic_acceptance_rate
-    if method == "synthetic":
-        if rate is None or not 0.0 <= rate <= 1.0:
-            raise ValueError(f"synthetic_acceptance_rate: must be in [0, 1] with method 'synthetic', got {rate}")
-    elif rate is not None:
-        raise ValueError(f"synthetic_acceptance_rate: only valid with method 'synthetic', not {method!r}")
     B, K, V = _check_verify_inputs(logits, row_index, draft_ids, num_drafts, req, draft_probs, draft_has_q)
-    if method == "probabilistic" and draft_probs is None:
+    if method in Q_VERIFICATION_METHODS and draft_probs is None:
         method = "strict"  # no row has a q: one-hot q everywhere is strict verification
     if use_kernel is None:
-        use_kernel = logits.is_cuda and method != "synthetic" and _triton_available()
-    elif use_kernel and method == "synthetic":
+        use_kernel = logits.is_cuda and method in ("strict", "probabilistic") and _triton_available()
+    elif use_kernel and method not in ("strict", "probabilistic"):
         raise ValueError("use_kernel: the Triton kernel implements strict and probabilistic only")
     flags = req.flags
-    q = draft_probs if method == "probabilistic" else None
+    q = draft_probs if method in Q_VERIFICATION_METHODS else None
 
     if flags.all_greedy:
         # the target's tokens are the argmax: no probabilities; randomness only for synthetic
@@ -346,7 +368,7 @@ def verify_step(
                                       "synthetic" if method == "synthetic" else "strict", rate,
                                       target_tokens=t, use_kernel=False, validate=False).packed()
 
-    uniforms = step_uniforms(req.seed, req.position, K)  # (B, K) accept tests, (B, K+1) draws
+    uniforms = step_uniforms(req.seed, req.position, K, method)  # (B, K) accept tests, (B, K+1) draws
     rows = logits[row_index].reshape(B * (K + 1), V)  # (B*(K+1), V): request-major, position-minor
     probs = process_logits(
         rows, _rows(req.temperature, K + 1), _rows(req.top_k, K + 1), _rows(req.top_p, K + 1),
@@ -354,7 +376,7 @@ def verify_step(
     ).view(B, K + 1, V)  # (B, K+1, V)
     packed = rejection.verify_chain(probs, draft_ids, num_drafts, q, uniforms, method, rate,
                                     use_kernel=use_kernel, validate=False).packed()
-    if method == "probabilistic" and draft_has_q is not None:
+    if method in Q_VERIFICATION_METHODS and draft_has_q is not None:
         # rows without a q: strict, so their tokens are the seed's plain-decoding tokens
         strict = rejection.verify_chain(probs, draft_ids, num_drafts, None, uniforms, "strict",
                                         use_kernel=use_kernel, validate=False).packed()
@@ -427,8 +449,7 @@ class DeviceSampler:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
         if num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens: must be >= 0, got {num_spec_tokens}")
-        if method not in REJECTION_METHODS:
-            raise ValueError(f"method: must be one of {', '.join(REJECTION_METHODS)}; got {method!r}")
+        check_method(method, synthetic_acceptance_rate)
         self.max_num_seqs = N = max_num_seqs
         self.num_spec_tokens = K = num_spec_tokens
         self.device = torch.device(device)

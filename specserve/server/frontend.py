@@ -74,6 +74,7 @@ class SamplingFields:
     prompt_logprobs: Any = None
     structured_outputs: Any = None  # a StructuredOutputsParams
     cache_salt: Any = None  # the client's cache partition within its tenant (vLLM's field): a string
+    speculation: Any = None  # a SpeculationParams (or its dict): the request's own cap on drafts per step
 
 
 def cache_partition(tenant: str | None, salt: Any) -> str | None:
@@ -335,8 +336,15 @@ class Frontend:
             prompt_logprobs=f.prompt_logprobs,
             structured_outputs=f.structured_outputs,
             cache_salt=cache_partition(tenant, f.cache_salt),
+            speculation=f.speculation,
         )
-        return params.validate(self.cfg.max_tokens_cap)
+        return params.validate(self.cfg.max_tokens_cap, max_speculative_tokens=self.engine.info.num_speculative_tokens)
+
+    def speculation_cap(self, params: SamplingParams) -> int:
+        """The most drafts per step the request may verify, as its ``spec_decode`` reports it:
+        its own ``speculation.num_speculative_tokens``, else the server's K (0 without a method)."""
+        cap = params.num_speculative_tokens
+        return int(self.engine.info.num_speculative_tokens) if cap is None else cap
 
     def prepare(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
         if request_id:  # a client's id reaches logs, metrics and replies: a short printable name only

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specserve.engine.tokenizer import covering_token_count
 from specserve.errors import ConfigError, InvalidRequestError
-from specserve.request import FinishReason, RequestOutput, StructuredOutputsParams
+from specserve.request import FinishReason, RequestOutput, SpeculationParams, StructuredOutputsParams
 from specserve.sampling.logits_controls import LOGPROB_FLOOR
 from specserve.server.auth import OPEN_GRPC_SERVICES, ApiKeyChecker
 from specserve.server.errors import (
@@ -105,7 +105,15 @@ def sampling_fields(sp: pb.SamplingParams) -> SamplingFields:
         stop=list(sp.stop),
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
+        speculation=_speculation(sp),
     )
+
+
+def _speculation(sp: pb.SamplingParams) -> SpeculationParams | None:
+    """The request's own cap on drafts per step (unset message or field: the server's K)."""
+    if not sp.HasField("speculation") or not sp.speculation.HasField("num_speculative_tokens"):
+        return None
+    return SpeculationParams(num_speculative_tokens=sp.speculation.num_speculative_tokens)
 
 
 class _Malformed:
@@ -156,8 +164,10 @@ def _returned(fe: Frontend, req: PreparedRequest, out: RequestOutput) -> int:
 
 
 def _response(
-    request_id: str, text: str, token_ids: list[int], out: RequestOutput, completion_tokens: int
+    request_id: str, text: str, token_ids: list[int], out: RequestOutput, completion_tokens: int, spec_cap: int = 0
 ) -> pb.GenerateResponse:
+    """One response message; ``spec_cap``: the request's cap on drafts per step
+    (``Frontend.speculation_cap``), reported with its spec_decode counters."""
     msg = pb.GenerateResponse(
         request_id=request_id,
         text=text,
@@ -177,6 +187,7 @@ def _response(
                 num_draft_tokens=stats.num_draft_tokens,
                 num_accepted_tokens=stats.num_accepted_tokens,
                 mean_acceptance_length=stats.mean_acceptance_length,
+                num_speculative_tokens=spec_cap,
             )
         )
     return msg
@@ -249,7 +260,8 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
                         prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
             assert last is not None and last.finished, "the engine ended a stream without a final output"
             n = _returned(self.fe, req, last)
-            msg = _response(req.request_id, last.text, list(last.token_ids[:n]), last, n)
+            msg = _response(req.request_id, last.text, list(last.token_ids[:n]), last, n,
+                            self.fe.speculation_cap(req.params))
             tok = self.fe.engine.tokenizer
             msg.logprobs.extend(_logprob_msgs(tok, (last.logprobs or [])[:n]))
             msg.prompt_logprobs.extend(_logprob_msgs(tok, prompt_lps))
@@ -267,7 +279,8 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
                         if out.new_token_ids or out.new_text or out.finished:
                             n = _returned(self.fe, req, out)
                             keep = max(0, len(out.new_token_ids) - (len(out.token_ids) - n))  # none past a stop
-                            msg = _response(req.request_id, out.new_text, list(out.new_token_ids[:keep]), out, n)
+                            msg = _response(req.request_id, out.new_text, list(out.new_token_ids[:keep]), out, n,
+                                            self.fe.speculation_cap(req.params))
                             tok = self.fe.engine.tokenizer
                             msg.logprobs.extend(_logprob_msgs(tok, (out.new_logprobs or [])[:keep]))
                             msg.prompt_logprobs.extend(_logprob_msgs(tok, out.prompt_logprobs))

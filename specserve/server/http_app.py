@@ -9,12 +9,15 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``server.metrics_key`` has one: ``specserve.server.auth``), and vLLM's
 ``GET /version``, ``POST /tokenize`` and ``POST /detokenize`` (tokenizing in the
 front end's worker threads, never on the event loop).  A body's ``cache_salt``
-(vLLM's field) narrows the caller's cache partition further.
+(vLLM's field) narrows the caller's cache partition further; its ``speculation:
+{"num_speculative_tokens": k}`` caps the request's drafts per step at k (0 = plain
+decoding for it; k at most the server's K).
 
 Both completion endpoints answer through ``openai_features.serve_choices`` (one
 path for one choice or many, whole or streamed).  Besides OpenAI's fields, every
-completion (and the final chunk of a stream) carries ``spec_decode: {num_drafts,
-num_draft_tokens, num_accepted_tokens, mean_acceptance_length}`` for the request,
+completion (and the final chunk of a stream) carries ``spec_decode:
+{num_speculative_tokens, num_drafts, num_draft_tokens, num_accepted_tokens,
+mean_acceptance_length}`` for the request (the first: its cap on drafts per step),
 as newer vLLM does.
 
 The runner is created with ``handler_cancellation=True``: when a client

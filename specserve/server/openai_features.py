@@ -1,7 +1,7 @@
 """The OpenAI endpoints' request features and response shapes.
 
 Parsing (:func:`parse_features`) turns the body's fields (n / best_of, echo,
-log-probabilities, penalties, logit_bias, min_tokens, structured outputs) into
+log-probabilities, penalties, logit_bias, min_tokens, structured outputs, speculation) into
 ``SamplingFields`` extras plus the fan-out.  :func:`serve_choices` is the one
 response path of both endpoints: it runs one engine request per choice (``n``
 copies of each prompt, or ``best_of`` candidates of which the ``n`` with the
@@ -47,6 +47,7 @@ from specserve.request import (
     FinishReason,
     RequestOutput,
     SamplingParams,
+    SpeculationParams,
     StructuredOutputsParams,
 )
 from specserve.sampling.logits_controls import LOGPROB_FLOOR
@@ -157,6 +158,8 @@ def parse_features(body: dict, chat: bool) -> Features:
         f.echo = bool(echo)
     if f.logprobs is not None:
         f.fields["logprobs"] = f.logprobs
+    if body.get("speculation") is not None:  # the request's own cap on drafts (SamplingParams checks k)
+        f.fields["speculation"] = SpeculationParams.from_dict(body["speculation"])
     return f
 
 
@@ -351,20 +354,24 @@ def _cumulative(out: RequestOutput) -> float:
     return sum(e.logprob for e in (out.logprobs or []))
 
 
-def _spec_decode(outs: list[RequestOutput]) -> dict[str, Any]:
-    """spec_decode of one request, or summed over the choices of a response."""
+def _spec_decode(outs: list[RequestOutput], cap: int) -> dict[str, Any]:
+    """spec_decode of one request, or summed over the choices of a response; ``cap``: the
+    most drafts per step its requests could verify (``Frontend.speculation_cap``)."""
     d = sum(o.spec.num_drafts for o in outs)
     a = sum(o.spec.num_accepted_tokens for o in outs)
-    return {"num_drafts": d, "num_draft_tokens": sum(o.spec.num_draft_tokens for o in outs),
-            "num_accepted_tokens": a, "mean_acceptance_length": 1.0 + a / d if d else 1.0}  # fmt: skip
+    return {"num_speculative_tokens": cap, "num_drafts": d,
+            "num_draft_tokens": sum(o.spec.num_draft_tokens for o in outs), "num_accepted_tokens": a,
+            "mean_acceptance_length": 1.0 + a / d if d else 1.0}  # fmt: skip
 
 
 class Shaper:
     """OpenAI's objects for one response: chat or completions, whole or streamed, any number
     of choices."""
 
-    def __init__(self, chat: bool, fe: Any, f: Features, texts: list[str | None], prompts: list[list[int]]):
+    def __init__(self, chat: bool, fe: Any, f: Features, texts: list[str | None], prompts: list[list[int]],
+                 spec_cap: int = 0):  # fmt: skip
         self.chat, self.f, self.texts, self.prompts = chat, f, texts, prompts
+        self.spec_cap = spec_cap  # spec_decode.num_speculative_tokens: every choice shares it
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model = fe.model_name
         self.created = int(time.time())
@@ -393,7 +400,8 @@ class Shaper:
         else:
             choices = [self._full_choice(j.index, j) for j in jobs]
         body = self._envelope("chat.completion" if self.chat else "text_completion")
-        body.update(choices=choices, usage=self.usage(jobs), spec_decode=_spec_decode([j.last for j in jobs]))
+        body.update(choices=choices, usage=self.usage(jobs),
+                    spec_decode=_spec_decode([j.last for j in jobs], self.spec_cap))
         return body
 
     def chunk(self, job: _Job, out: RequestOutput | None, include_usage: bool) -> dict[str, Any]:
@@ -403,12 +411,12 @@ class Shaper:
         if include_usage:
             body["usage"] = None
         if out is not None and out.finished:
-            body["spec_decode"] = _spec_decode([out])
+            body["spec_decode"] = _spec_decode([out], self.spec_cap)
         return body
 
     def usage_chunk(self, jobs: list[_Job]) -> dict[str, Any]:
         body = self._chunk_envelope()
-        body.update(choices=[], usage=self.usage(jobs), spec_decode=_spec_decode([j.last for j in jobs]))
+        body.update(choices=[], usage=self.usage(jobs), spec_decode=_spec_decode([j.last for j in jobs], self.spec_cap))
         return body
 
     def usage(self, jobs: list[_Job]) -> dict[str, Any]:
@@ -497,7 +505,7 @@ async def serve_choices(request: web.Request, fe: Any, chat: bool, prompts: list
                         texts: list[str | None], params: SamplingParams, f: Features, stream: bool,
                         include_usage: bool) -> web.StreamResponse:  # fmt: skip
     """Run every choice of every prompt and answer with OpenAI's shapes, whole or streamed."""
-    shaper = Shaper(chat, fe, f, texts, prompts)
+    shaper = Shaper(chat, fe, f, texts, prompts, fe.speculation_cap(params))
     jobs = _jobs(fe, shaper.id, prompts, params, f)
     async with aclosing(_outputs(fe, jobs)) as items:
         if not stream:

@@ -141,35 +141,43 @@ class RunnerFactory:
         return TorchRunner(loaded, kv, min_causal_len)
 
     def target(self, loaded: LoadedModel, kv: KVCache, *, graph_query_lens: tuple[int, ...],
-               aux_layer_ids: tuple[int, ...] = (), attention: BackendChoice | None = None) -> Runner:
+               aux_layer_ids: tuple[int, ...] = (), attention: BackendChoice | None = None,
+               trees: bool = False, tree_query_lens: tuple[int, ...] = ()) -> Runner:
         """The engine's runner: ``graph_query_lens`` are the verification sizes (q = K'+1)
         whose steps are captured, ``aux_layer_ids`` the hidden states every step returns
         (a persistent-buffer runner's graphs write those), ``attention`` the start-up
-        check's choice.  A persistent-buffer runner has compiled its kernels and
-        captured its graphs when this returns."""
+        check's choice; ``trees``: steps may verify draft trees (a persistent-buffer
+        runner stages their masks and compiles their kernels), uniform tree steps of
+        ``tree_query_lens`` nodes per sequence captured.  A persistent-buffer runner has
+        compiled its kernels and captured its graphs when this returns."""
         plan = self.plan(loaded, target=True)
         if not plan.static:
             return self.runner(loaded, kv)
         return self._step_runner(loaded, kv, plan, self.max_num_seqs, self.max_num_batched_tokens, graph_query_lens,
-                                 aux_layer_ids, attention if attention is not None else self.attention_backend)
+                                 aux_layer_ids, attention if attention is not None else self.attention_backend,
+                                 trees=trees or bool(tree_query_lens), tree_query_lens=tree_query_lens)
 
-    def draft(self, loaded: LoadedModel, kv: KVCache, *, max_num_seqs: int, max_num_tokens: int) -> Runner:
+    def draft(self, loaded: LoadedModel, kv: KVCache, *, max_num_seqs: int, max_num_tokens: int,
+              trees: bool = False) -> Runner:
         """A draft model's runner: on CUDA its decode steps (q = 1, up to ``max_num_seqs``
-        sequences) replay graphs; steps of up to ``max_num_tokens`` tokens fit its buffers."""
+        sequences) replay graphs; steps of up to ``max_num_tokens`` tokens fit its buffers;
+        ``trees``: its steps may expand draft trees (tree masks staged, eagerly)."""
         plan = self.plan(loaded)
         if not plan.static:
             return self.runner(loaded, kv)
         return self._step_runner(loaded, kv, plan, max_num_seqs, max_num_tokens, (1,), (), self.attention_backend,
-                                 progress=False)
+                                 progress=False, trees=trees)
 
     @staticmethod
     def _step_runner(loaded: LoadedModel, kv: KVCache, plan: RunnerPlan, max_num_seqs: int, max_num_tokens: int,
                      graph_query_lens: tuple[int, ...], aux_layer_ids: tuple[int, ...],
-                     attention: BackendChoice | str, progress: bool = True) -> CudaGraphRunner:
+                     attention: BackendChoice | str, progress: bool = True, trees: bool = False,
+                     tree_query_lens: tuple[int, ...] = ()) -> CudaGraphRunner:
         """Rule 2's runner, its kernels compiled and its graphs captured."""
         static = StaticStepRunner(loaded, kv, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
-                                  graph_query_lens=graph_query_lens, aux_layer_ids=aux_layer_ids,
-                                  use_graphs=plan.graphs, attention_impl=attention)  # fmt: skip
+                                  graph_query_lens=graph_query_lens, tree_query_lens=tree_query_lens, trees=trees,
+                                  aux_layer_ids=aux_layer_ids, use_graphs=plan.graphs,
+                                  attention_impl=attention)  # fmt: skip
         runner = CudaGraphRunner(static)
         runner.capture(progress)
         return runner

@@ -3,7 +3,9 @@
 The decoder (``kernels/cpu_decoder.c``, loaded by ``kernels.cpu_decoder``) runs
 the whole stack for a flattened ragged batch, reading the model's bf16 weights
 and KV cache in place.  Steps of more than ``fused_max_tokens`` new tokens (None:
-no limit) run on the torch path instead, over the same cache.
+no limit) run on the torch path instead, over the same cache.  Rotary positions
+and draft trees (``StepBatch.positions`` / ``tree_base`` / ``tree_masks``) pass
+through to the decoder, which applies the same visibility rule as the torch path.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class FusedCpuRunner(TorchRunner):
         info = [(qs[b], qs[b + 1] - qs[b], batch.seq_lens[b] - (qs[b + 1] - qs[b])) for b in range(batch.num_seqs)]
         L = self.loaded.arch.num_layers
         hidden, aux = self.fused.forward(batch.token_ids, info, batch.block_tables,
-                                         tuple(i for i in aux_layer_ids if i < L))
+                                         tuple(i for i in aux_layer_ids if i < L), positions=batch.positions,
+                                         tree_base=batch.tree_base, tree_masks=batch.tree_masks)
         if L in aux_layer_ids:
             aux[L] = hidden  # the kernel's output rows are the final-normed states
         rows = batch.logits_rows
