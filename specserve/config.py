@@ -287,7 +287,7 @@ def validate_tree(s: SpeculativeConfig, tp_size: int) -> None:
         unknown = [k for k in t if k not in {f.name for f in fields(TreeConfig)}]
         if unknown:
             raise ConfigError(f"method.tree.{unknown[0]}",
-                              "no such key; method.tree has: topk, num_draft_tokens, depth")
+                              "no such key; method.tree has: topk, num_draft_tokens, depth, static")
         t = s.tree = TreeConfig(**t)
     if t is None:
         s.tree = TreeConfig()
@@ -297,6 +297,9 @@ def validate_tree(s: SpeculativeConfig, tp_size: int) -> None:
     if not get_method(s.method).tree:
         able = ", ".join(m.name for m in methods() if m.tree)
         raise ConfigError("method.tree", f"{s.method} drafts chains; only {able} draft trees")
+    if t.static is not None:
+        _check_static_tree(t)
+        t = t.expanded()
     for key in ("topk", "num_draft_tokens", "depth"):
         if getattr(t, key) is None:
             raise ConfigError(f"method.tree.{key}", "is required with a tree (topk, num_draft_tokens and depth)")
@@ -319,6 +322,36 @@ def validate_tree(s: SpeculativeConfig, tp_size: int) -> None:
     if tp_size > 1:
         raise ConfigError("method.tree", f"needs parallelism.tensor_parallel_size=1 in this build, got {tp_size}")
     s.num_speculative_tokens = n - 1
+
+
+def _check_static_tree(t: TreeConfig) -> None:
+    """``method.tree.static``: distinct paths of ranks >= 0, each path's parent path present,
+    at most MAX_TREE_TOKENS - 1 nodes, no topk/depth beside it, num_draft_tokens (if given)
+    its nodes + 1, and the width of its expansions x (depth - 1) drafting nodes within the masks."""
+    key = "method.tree.static"
+    paths = t.static_paths()
+    given = {p: None for p in paths}
+    if len(given) < len(paths):
+        raise ConfigError(key, f"lists a path twice: {next(p for p in paths if paths.count(p) > 1)}")
+    bad = next((p for p in paths if min(p) < 0), None)
+    if bad is not None:
+        raise ConfigError(key, f"child ranks must be >= 0 (0: the best token); got path {bad}")
+    orphan = next((p for p in paths if len(p) > 1 and p[:-1] not in given), None)
+    if orphan is not None:
+        raise ConfigError(key, f"path {orphan} has no parent: {orphan[:-1]} is not in the tree")
+    if len(paths) > MAX_TREE_TOKENS - 1:
+        raise ConfigError(key, f"holds {len(paths)} nodes; at most {MAX_TREE_TOKENS - 1} (the root makes "
+                               f"{MAX_TREE_TOKENS} verified tokens)")
+    for other in ("topk", "depth"):
+        if getattr(t, other) is not None:
+            raise ConfigError(key, f"fixes the tree's shape: leave method.tree.{other} unset beside it")
+    if t.num_draft_tokens is not None and t.num_draft_tokens != len(paths) + 1:
+        raise ConfigError(key, f"holds {len(paths)} nodes, so num_draft_tokens is {len(paths) + 1} (the root "
+                               f"included); got method.tree.num_draft_tokens={t.num_draft_tokens}")
+    shape = t.expanded()
+    if shape.topk * (shape.depth - 1) > MAX_TREE_TOKENS:
+        raise ConfigError(key, f"its widest expansion ({shape.topk} nodes) x (depth {shape.depth} - 1) must be <= "
+                               f"{MAX_TREE_TOKENS} (the nodes a drafting step attends to)")
 
 
 def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[ModelConfig]) -> SpeculativeConfig:

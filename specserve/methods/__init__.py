@@ -24,9 +24,11 @@ config never imports torch (``specserve.cli`` sets oneDNN's ISA cap before torch
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import pkgutil
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -68,10 +70,49 @@ class TreeConfig:
     # K drafts verifies K + 1.  With a tree the engine's K is num_draft_tokens - 1.
     num_draft_tokens: Optional[int] = None
     depth: Optional[int] = None  # expansion steps: the deepest draft is this many tokens ahead
+    # A fixed tree instead of topk/depth (vLLM's speculative_token_tree): its nodes as paths of
+    # child ranks, e.g. "[(0,), (1,), (0, 0), (0, 1)]" ((0, 1): the second-best child of the
+    # best first token), a string or a list of lists; num_draft_tokens is its nodes + 1.
+    static: Any = None
 
     @property
     def enabled(self) -> bool:
-        return any(v is not None for v in (self.topk, self.num_draft_tokens, self.depth))
+        return any(v is not None for v in (self.topk, self.num_draft_tokens, self.depth, self.static))
+
+    def static_paths(self) -> tuple[tuple[int, ...], ...]:
+        """``static`` as a tuple of paths, in the order given (unchecked beyond their form:
+        ``specserve.config.validate_tree`` checks the tree); ``ConfigError`` naming
+        ``method.tree.static`` when it is not a list of integer tuples."""
+        value = self.static
+        if isinstance(value, str):
+            try:
+                value = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                raise ConfigError("method.tree.static", f"must be a list of paths like \"[(0,), (1,), (0, 0)]\"; "
+                                                        f"got {self.static!r:.80}") from None
+        paths = list(value) if not isinstance(value, (str, bytes, dict)) and hasattr(value, "__iter__") else None
+        if paths is not None:
+            paths = [tuple(p) if not isinstance(p, (str, bytes, dict)) and hasattr(p, "__iter__") else None
+                     for p in paths]
+        if not paths or any(p is None or not p or any(isinstance(r, bool) or not isinstance(r, int) for r in p)
+                            for p in paths):
+            raise ConfigError("method.tree.static", "must be a non-empty list of paths, each a non-empty tuple of "
+                                                    f"child ranks (integers), like \"[(0,), (1,), (0, 0)]\"; got "
+                                                    f"{self.static!r:.80}")
+        return tuple(paths)
+
+    def expanded(self) -> "TreeConfig":
+        """The shape tree drafters follow: this config, or for a static tree a copy with
+        ``num_draft_tokens`` its nodes + 1, ``depth`` its longest path and ``topk`` the width
+        of its expansions (the most child ranks under a node, or expanded nodes of a level:
+        every drafting step runs that many nodes, ``proposers.heads.StaticLevels``)."""
+        if self.static is None:
+            return self
+        paths = self.static_paths()
+        expanded = Counter(len(p) - 1 for p in {p[:-1] for p in paths if len(p) > 1})  # nodes with children, by level
+        width = max(max(r + 1 for p in paths for r in p), max(expanded.values(), default=0))
+        return dataclasses.replace(self, topk=width, depth=max(len(p) for p in paths),
+                                   num_draft_tokens=len(set(paths)) + 1)
 
 
 @dataclass

@@ -12,4 +12,5 @@ register(MethodSpec(
     memory="specserve.proposers.mtp:memory",
     needs_model=False,
     draft_probs=True,
+    tree=True,
 ))

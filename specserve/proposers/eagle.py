@@ -70,8 +70,8 @@ from specserve.executor.kv_cache import KVCache
 from specserve.executor.models.eagle import EagleHead
 from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, KVBlocks, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import (DraftColumns, HeadSampler, TreeLevels, choose_nodes, head_attention_bytes,
-                                       head_metadata, narrow, read_tensor_shapes, step_metadata)
+from specserve.proposers.heads import (DraftColumns, HeadSampler, choose_nodes, head_attention_bytes, head_metadata,
+                                       narrow, read_tensor_shapes, step_metadata, tree_levels)
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class EagleProposer:
                  tree: TreeConfig | None = None):
         self.head = head
         # method.tree: EAGLE-2 dynamic trees for the requests that may take one (else chains).
-        self.tree = tree if tree is not None and tree.enabled else None
+        self.tree = tree.expanded() if tree is not None and tree.enabled else None  # a static tree's shape
         self.trash_slot = trash_slot  # the head cache's padding slot (for static drafting)
         # The K greedy draft steps over persistent buffers (CUDA graphs per batch bucket;
         # ``RunnerFactory.head_graphs``); None: the eager loop.
@@ -182,7 +182,7 @@ class EagleProposer:
         never outranks its parent: ties keep creation order), parents first."""
         k, B = self.tree.topk, len(drafting)
         depth = min(self.tree.depth, max(w for _, w, _, _ in drafting))
-        tree = TreeLevels(torch.log_softmax(self.head.logits(hidden).float(), dim=-1), k)
+        tree = tree_levels(self.tree, torch.log_softmax(self.head.logits(hidden).float(), dim=-1))
         # Each frontier node's parent state (the head's output there; the last real row for level 1).
         front_hidden = hidden.repeat_interleave(k, dim=0)  # (B*k, H)
         masks: list[list[int]] = [[] for _ in range(B)]  # per request, its stored nodes' ancestor masks
@@ -324,6 +324,7 @@ def eagle_memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) ->
         step += VERIFY_BYTES_PER_LOGIT * B * c.draft_vocab_size + B * a.vocab_size * 4
     tree = spec.tree
     if tree is not None and tree.enabled:  # a tree round's step: topk frontier rows per request, eagerly
+        tree = tree.expanded()  # a static tree's width as topk
         rows = B * tree.topk
         step = max(step, rows * c.draft_vocab_size * (8 + dt) + head_attention_bytes(
             target, engine, rows, max_len, tree.topk, c.num_kv_heads, c.head_dim))

@@ -2,7 +2,8 @@
 the MLP speculator, the DFlash block): attention metadata for their paged KV caches, reading
 a few tensors of a checkpoint, fusing one decoder layer's weights, turning their
 logits into draft tokens (``HeadSampler``) and a round's drafts into a proposal
-(``DraftColumns``, ``narrow``; draft trees: ``TreeLevels``, ``choose_nodes``).
+(``DraftColumns``, ``narrow``; draft trees: ``TreeLevels``, ``StaticLevels``, ``FrontierMasks``,
+``choose_nodes``).
 
 Drafts and draft distributions (``HeadSampler``):
 
@@ -217,6 +218,106 @@ def choose_nodes(rows: list[tuple[int, int]], score: Tensor, tokens: Tensor, par
         where = {p: n for n, p in enumerate(nodes)}
         drafts[i] = [toks[p] for p in nodes]
         parents[i] = [where[par[p]] if par[p] >= 0 else -1 for p in nodes]
+
+
+class StaticLevels(TreeLevels):
+    """A fixed tree (``method.tree.static``) grown through ``TreeLevels``' steps, so a drafter
+    follows it with its dynamic-tree loop unchanged.  ``k``: the tree's width
+    (``TreeConfig.expanded().topk``); every level is laid out as a dynamic one of that
+    width (level 1: the root's k best tokens; a deeper level: k children, by rank, of each
+    of the k frontier places).  The frontier is the static nodes that have children (their
+    places padded with the first one's), and every node outside the static tree scores
+    -inf, so ``choose_nodes`` keeps exactly the static nodes, or the best-scored of them
+    (a subtree) when fewer are wanted.  Node (0, 1) is the second-best child of the best
+    first-level token, as the drafter scores them."""
+
+    def __init__(self, logprobs: Tensor, paths, k: int):
+        super().__init__(logprobs, k)
+        self.keep, self.fronts = _static_plan(paths, k, logprobs.device)
+        B = logprobs.shape[0]
+        if self.fronts:
+            self.local = self.fronts[0].expand(B, k)
+        self._prune()
+
+    def grow(self, logprobs: Tensor, tokens: Tensor) -> None:
+        super().grow(logprobs, tokens)
+        self._prune()
+
+    def advance(self) -> Tensor:
+        B = self.levels[-1][0].shape[0]
+        self.local = self.fronts[len(self.levels) - 1].expand(B, self.k)
+        return self.local // self.k
+
+    def _prune(self) -> None:
+        """Score the newest level's nodes outside the tree -inf; its nodes keep finite scores
+        (a child never above its parent) so none ties with a pruned one."""
+        score, tok, parent = self.levels[-1]
+        keep = self.keep[len(self.levels) - 1]
+        score = torch.where(keep, score.clamp(min=-1e30), torch.full_like(score, float("-inf")))
+        self.levels[-1] = (score, tok, parent)
+
+
+def _static_plan(paths, k: int, device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
+    """Per level: which places of its ``TreeLevels`` layout hold the static tree's nodes
+    ((1, k) or (1, k * k) bool), and, for the levels that have children, the frontier: the
+    places of its nodes with children, padded to k ((k,) int64)."""
+    nodes = sorted(set(map(tuple, paths)), key=lambda p: (len(p), p))
+    depth = max(len(p) for p in nodes)
+    place: dict[tuple[int, ...], int] = {}
+    slot: dict[tuple[int, ...], int] = {}  # a node with children: its place in its level's frontier
+    keep: list[Tensor] = []
+    fronts: list[Tensor] = []
+    for d in range(1, depth + 1):
+        level = [p for p in nodes if len(p) == d]
+        for p in level:
+            place[p] = p[0] if d == 1 else slot[p[:-1]] * k + p[-1]
+        mask = torch.zeros(1, k if d == 1 else k * k, dtype=torch.bool)
+        mask[0, [place[p] for p in level]] = True
+        keep.append(mask.to(device))
+        parents = [p for p in level if any(len(c) == d + 1 and c[:-1] == p for c in nodes)]
+        if parents:
+            slot.update({p: j for j, p in enumerate(parents)})
+            front = [place[p] for p in parents]
+            fronts.append(torch.tensor(front + front[:1] * (k - len(front)), dtype=torch.int64, device=device))
+    return keep, fronts
+
+
+def tree_levels(tree, logprobs: Tensor) -> TreeLevels:
+    """The levels a drafter grows for ``tree`` (a ``TreeConfig`` as ``expanded()`` gives it):
+    a static tree's fixed shape, else EAGLE-2's dynamic tree of ``topk``."""
+    if tree.static is not None:
+        return StaticLevels(logprobs, tree.static_paths(), tree.topk)
+    return TreeLevels(logprobs, tree.topk)
+
+
+class FrontierMasks:
+    """The tree masks of the frontiers a dynamic-tree round stores past the committed rows
+    (``TreeLevels``' order: frontier after frontier, ``k`` nodes each, the first at tree bit
+    0): a node sees itself and its ancestors, under a sliding ``window`` only those fewer
+    than ``window`` levels up (as plain decoding would)."""
+
+    def __init__(self, num_trees: int, k: int, window: int | None = None):
+        self.k, self.window = k, window
+        self.paths: list[list[list[int]]] = [[] for _ in range(num_trees)]  # per tree and stored node: its bits
+
+    @property
+    def stored(self) -> int:
+        """Nodes stored per tree so far."""
+        return len(self.paths[0]) if self.paths else 0
+
+    def add(self, parent_slot: list[list[int]] | None) -> list[list[int]]:
+        """Store the next frontier (``parent_slot[b][j]``: node j's parent's place in the
+        previous frontier, ``TreeLevels.advance``; None for the first) and return each
+        tree's masks of it."""
+        out = []
+        for b, paths in enumerate(self.paths):
+            stored = len(paths)
+            new = [(paths[stored - self.k + parent_slot[b][j]] if parent_slot is not None else []) + [stored + j]
+                   for j in range(self.k)]
+            paths.extend(new)
+            w = self.window
+            out.append([sum(1 << bit for bit in (p if w is None else p[-w:])) for p in new])
+        return out
 
 
 def head_metadata(batch: StepBatch, block_size: int, device: torch.device, window: int | None = None,

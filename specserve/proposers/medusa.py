@@ -63,7 +63,7 @@ from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import DraftColumns, HeadSampler, TreeLevels, choose_nodes, narrow, read_tensors
+from specserve.proposers.heads import DraftColumns, HeadSampler, choose_nodes, narrow, read_tensors, tree_levels
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class MedusaProposer:
                  probabilistic: bool, tree: TreeConfig | None = None):
         self.model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
         self.num_spec_tokens = num_spec_tokens  # K: the most drafts (a tree: nodes) per request and step
-        self.tree = tree if tree is not None and tree.enabled else None  # method.tree, else chains only
+        self.tree = tree.expanded() if tree is not None and tree.enabled else None  # method.tree, else chains only
         self.device = target.device
         self.dtype = target.dtype
         self.aux_layer_ids = (target.arch.num_layers,)  # final-normed hidden state of every row
@@ -297,7 +297,7 @@ class MedusaProposer:
         k = self.tree.topk
         want = [min(self.num_spec_tokens, requests[i].max_drafts) for i in active]
         depth = min(self.tree.depth, max(want))  # <= the number of heads (build checks it)
-        tree = TreeLevels(torch.log_softmax(self.model(0, hidden), dim=-1), k)
+        tree = tree_levels(self.tree, torch.log_softmax(self.model(0, hidden), dim=-1))
         for d in range(1, depth):
             if d > 1:
                 tree.advance()  # the next frontier: the newest level's k best nodes
@@ -340,7 +340,7 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MedusaProposer:
     key = "method.model" if spec.model else "draft.path"
     target = ctx.target
     model, token_map = load_medusa(path, key, target.arch.hidden_size, target.arch.vocab_size)
-    tree = spec.tree if spec.tree is not None and spec.tree.enabled else None
+    tree = spec.tree.expanded() if spec.tree is not None and spec.tree.enabled else None  # a static tree's shape
     if tree is not None and tree.depth > model.num_heads:
         raise ConfigError("method.tree.depth", f"{tree.depth} exceeds the Medusa checkpoint's {model.num_heads} "
                                                f"heads (head d drafts depth d + 1); use depth <= {model.num_heads}")

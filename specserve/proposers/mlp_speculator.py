@@ -50,7 +50,7 @@ from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import DraftColumns, HeadSampler, TreeLevels, choose_nodes, narrow, read_tensors
+from specserve.proposers.heads import DraftColumns, HeadSampler, choose_nodes, narrow, read_tensors, tree_levels
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class MLPSpeculatorProposer:
                  tree: TreeConfig | None = None):
         self.model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
         self.num_spec_tokens = num_spec_tokens  # K: the most drafts (a tree: nodes) per request and step
-        self.tree = tree if tree is not None and tree.enabled else None  # method.tree, else chains only
+        self.tree = tree.expanded() if tree is not None and tree.enabled else None  # method.tree, else chains only
         self.device = target.device
         self.dtype = target.dtype
         self.aux_layer_ids = (target.arch.num_layers,)  # final-normed hidden state of every row
@@ -172,7 +172,7 @@ class MLPSpeculatorProposer:
         want = [min(self.num_spec_tokens, requests[i].max_drafts) for i in active]
         depth = min(self.tree.depth, max(want))  # <= n_predict (build checks it)
         state, logits = self.model.stage(0, state, tokens)
-        tree = TreeLevels(torch.log_softmax(logits, dim=-1), k)
+        tree = tree_levels(self.tree, torch.log_softmax(logits, dim=-1))
         front_state = state.repeat_interleave(k, dim=0)  # (B*k, inner): level 1's parent state
         for d in range(1, depth):
             state, logits = self.model.stage(d, front_state, tree.frontier_tokens())
@@ -209,7 +209,7 @@ def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memor
     params = n * (2 * V * inner + 2 * inner) + emb * inner + (n - 1) * inner * inner  # emb, head, ln; proj
     probabilistic = spec.samples_drafts
     tree = spec.tree
-    rows = B * tree.topk if tree is not None and tree.enabled else B  # a tree stage runs over the frontier
+    rows = B * tree.expanded().topk if tree is not None and tree.enabled else B  # a tree stage runs over the frontier
     step = rows * V * (4 + dt) + (VERIFY_BYTES_PER_LOGIT * B * V if probabilistic else 0)
     return MemoryNeeds(weight_bytes=params * dt, transient_bytes=step,
                        draft_probs_bytes=B * k * V * 4 if probabilistic else 0, aux_layers=1)
@@ -220,7 +220,7 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MLPSpeculatorPropose
     key = "method.model" if spec.model else "draft.path"
     target = ctx.target
     model = load_mlp_speculator(path, key, target.arch.hidden_size, target.arch.vocab_size)
-    tree = spec.tree if spec.tree is not None and spec.tree.enabled else None
+    tree = spec.tree.expanded() if spec.tree is not None and spec.tree.enabled else None  # a static tree's shape
     if tree is not None and tree.depth > model.n_predict:
         raise ConfigError("method.tree.depth", f"{tree.depth} exceeds the MLP speculator's n_predict "
                                                f"({model.n_predict}); use depth <= {model.n_predict}")

@@ -32,8 +32,19 @@ The layers' KV caches are the proposer's own (one cache layer per MTP layer,
 blocks mirroring the target's count); rollback is bookkeeping.  Positions the
 target never ran (prefix-cached prompt blocks) have no hidden state; their
 entries stay empty.  Drafts: argmax, or sampled from the layer's distribution
-with probabilistic verification (``heads.HeadSampler``).  Every forward runs
-eagerly; on CUDA it attends through the paged kernel the target uses
+with probabilistic verification (``heads.HeadSampler``).
+
+Trees (``method.tree``): a request that may take one (``DraftRequest.tree``) gets an
+EAGLE-2 tree instead of a chain (``_draft_trees``): layer 0's ``topk`` best tokens
+from the last committed pair, then ``depth - 1`` expansion steps, step s running the
+chain's layer for step s over the frontier (each node's parent output and its token,
+stored past the committed pairs in that layer's cache and attending to its ancestors
+through tree masks), then the ``num_draft_tokens - 1`` best nodes, parents first
+(``Proposal.parents``); a static tree (``method.tree.static``) fixes which nodes
+expand and which of their ranked children are kept.  After a tree, the committed
+rows are the root and its accepted path (``DraftRequest.hidden_rows``, a list).
+
+Every forward runs eagerly; on CUDA it attends through the paged kernel the target uses
 (``RunnerFactory.head_attention``: no padded keys or masks when a step commits a
 prompt chunk beside decode rows), elsewhere through the reference attention.
 """
@@ -56,10 +67,11 @@ from specserve.executor.backends.factory import RunnerFactory
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.executor.loader import LoadedModel
 from specserve.executor.models.llama import DecoderLayer, RMSNorm
-from specserve.methods import SpeculativeConfig
+from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import (DraftColumns, OwnCacheHead, fuse_layer, head_attention_bytes, narrow,
-                                       read_tensor_shapes, read_tensors, step_metadata)
+from specserve.proposers.heads import (DraftColumns, FrontierMasks, OwnCacheHead, choose_nodes, fuse_layer,
+                                       head_attention_bytes, narrow, read_tensor_shapes, read_tensors, step_metadata,
+                                       tree_levels)
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +168,7 @@ class _State:
 
 class MTPProposer(OwnCacheHead):
     def __init__(self, target: LoadedModel, layers: nn.ModuleList, num_spec_tokens: int, num_blocks: int,
-                 block_size: int, probabilistic: bool):
+                 block_size: int, probabilistic: bool, tree: TreeConfig | None = None):
         self.target = target
         self.model = target.model
         self.layers = layers.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
@@ -168,6 +180,8 @@ class MTPProposer(OwnCacheHead):
         self._init_cache(len(layers), a.num_kv_heads, a.head_dim, num_blocks, block_size, target, probabilistic)
         self.window = a.sliding_window
         self.attention: str | None = None  # the paged kernel's implementation on CUDA (RunnerFactory.head_attention)
+        # method.tree (a static tree as its shape): trees for the requests that may take one, else chains
+        self.tree = tree.expanded() if tree is not None and tree.enabled else None
 
     def _logits(self, layer: MTPLayer, y: Tensor) -> Tensor:
         if layer.head is not None:
@@ -202,7 +216,9 @@ class MTPProposer(OwnCacheHead):
             q0 = seq.num_computed - m  # position of the first row fed in the step
             st.num_computed = q0  # a gap (prefix-cached blocks) stays empty
             want = r.max_drafts if r.max_drafts > 0 and self.num_spec_tokens > 0 else 0
-            if not self.blocks.ensure(st.block_table, q0 + m + max(want - 1, 0)):
+            # drafting writes past the pairs: a chain's want - 1 steps, a tree's expanded nodes
+            ahead = self._tree_nodes_run() if want and self._drafts_tree(r) else max(want - 1, 0)
+            if not self.blocks.ensure(st.block_table, q0 + m + ahead):
                 want = 0
                 if not self.blocks.ensure(st.block_table, q0 + m):
                     self.remove(seq.request_id)
@@ -221,7 +237,57 @@ class MTPProposer(OwnCacheHead):
             nxt, y = self._run(j, inputs, h)
         if not drafting:
             return Proposal(token_ids=drafts)
-        return self._draft(requests, drafting, nxt, y, drafts)
+        trees = [n for n, (i, _, _) in enumerate(drafting) if self._drafts_tree(requests[i])]
+        if not trees:
+            return self._draft(requests, drafting, nxt, y, drafts)
+        chains = [n for n in range(len(drafting)) if n not in set(trees)]
+        prop = Proposal(token_ids=drafts)
+        if chains:
+            prop = self._draft(requests, [drafting[n] for n in chains], nxt[chains], y[chains], drafts)
+        prop.parents = [None] * len(requests)
+        self._draft_trees(requests, [drafting[n] for n in trees], nxt[trees], y[trees], drafts, prop.parents)
+        return prop
+
+    # ------------------------------------------------------------ trees
+    def _drafts_tree(self, r: DraftRequest) -> bool:
+        return self.tree is not None and r.tree
+
+    def _tree_nodes_run(self) -> int:
+        """Nodes a tree round runs the layers over (stored past the committed pairs)."""
+        t = self.tree
+        return t.topk * (min(t.depth, t.num_draft_tokens - 1) - 1)
+
+    def _draft_trees(self, requests, drafting, h: Tensor, y: Tensor, drafts: list[list[int]],
+                     parents: list[list[int] | None]) -> None:
+        """Trees EAGLE-2 style (``heads.tree_levels``: dynamic, or a static tree's shape):
+        level 1 is MTP layer 0's ``topk`` from the last committed pair; each further step s
+        runs the chain's layer for step s (min(s, n - 1)) once over the frontier, each node
+        (its parent's output h, its token) stored past the committed pairs in that layer's
+        cache at position last + s and attending to the committed pairs and its ancestors
+        (tree masks; the window as plain decoding's), and scores its ``topk`` children.
+        Then the ``max_drafts`` best nodes, parents first (``heads.choose_nodes``)."""
+        k, B = self.tree.topk, len(drafting)
+        want = [min(self.num_spec_tokens, requests[i].max_drafts) for i, _, _ in drafting]
+        depth = min(self.tree.depth, max(want))
+        tree = tree_levels(self.tree, torch.log_softmax(self._logits(self.layers[0], y), dim=-1))
+        front_h = h.repeat_interleave(k, dim=0)  # (B*k, H): each frontier node's parent output
+        masks = FrontierMasks(B, k, self.window)
+        parent_slot = None
+        for s in range(1, depth):
+            stored = masks.stored
+            inputs = [SeqInput([0] * k, last + 1 + stored, st.block_table, list(range(k)),
+                               positions=[last + s] * k, tree_base=last + 1, tree_masks=m)
+                      for (_, last, st), m in zip(drafting, masks.add(parent_slot))]
+            j = min(s, len(self.layers) - 1)
+            nxt, y = self._run(j, inputs, front_h, ids=tree.frontier_tokens())
+            tree.grow(*torch.log_softmax(self._logits(self.layers[j], y), dim=-1).topk(k, dim=-1))  # (B*k, k)
+            if s + 1 < depth:  # the next frontier, each node with its parent's output
+                slot = tree.advance()
+                H = nxt.shape[-1]
+                front_h = nxt.view(B, k, H).gather(1, slot[..., None].expand(B, k, H)).reshape(B * k, H)
+                parent_slot = slot.tolist()
+        score, tok, parent = tree.pool()
+        choose_nodes([(i, w) for (i, _, _), w in zip(drafting, want)], score, tok, parent, drafts, parents)
 
     def _draft(self, requests, drafting, h: Tensor, y: Tensor, drafts: list[list[int]]) -> Proposal:
         want = [min(self.num_spec_tokens, requests[i].max_drafts) for i, _, _ in drafting]
@@ -248,7 +314,7 @@ def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memor
     cache (one layer each, the target's attention shape), and the temporaries of a
     round: the layers over a step's committed rows (eagerly; their attention:
     ``heads.head_attention_bytes``) and a draft step's logits (with sampling and q when
-    probabilistic)."""
+    probabilistic; a tree's step: ``topk`` frontier rows per request)."""
     if target.hf_dir is None or spec.model:
         return MemoryNeeds()  # the builder refuses method.model
     hf_dir, a, dt = Path(target.hf_dir), target.arch, target.dtype_bytes
@@ -267,6 +333,13 @@ def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memor
     probabilistic = spec.samples_drafts
     if probabilistic:
         rounds += VERIFY_BYTES_PER_LOGIT * B * a.vocab_size
+    tree = spec.tree
+    if tree is not None and tree.enabled:  # a tree step: topk frontier rows per request, their log-probabilities
+        shape = tree.expanded()
+        rows, ahead = B * shape.topk, shape.topk * (shape.depth - 1)
+        rounds = max(rounds, step_activation_bytes(a, rows, B, dt) + rows * a.vocab_size * (8 + dt)
+                     + head_attention_bytes(target, engine, rows, target.max_model_len + ahead, shape.topk,
+                                            a.num_kv_heads, a.head_dim))
     return MemoryNeeds(
         kv_bytes_per_block=kv_bytes_per_block(n, engine.block_size, a.num_kv_heads, a.head_dim, dt),
         weight_bytes=sum(t.numel() for t in used) * dt, transient_bytes=rounds,
@@ -284,6 +357,6 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> MTPProposer:
     log.info("mtp: %d MTP layer(s) in the %s layout; K=%d (steps beyond %d reuse the last layer)",
              n, layout, spec.num_speculative_tokens, n)
     proposer = MTPProposer(target, layers, spec.num_speculative_tokens, ctx.num_kv_blocks, e.block_size,
-                           probabilistic=spec.samples_drafts)
+                           probabilistic=spec.samples_drafts, tree=spec.tree)
     proposer.attention = RunnerFactory.from_engine(e).head_attention(target)
     return proposer
