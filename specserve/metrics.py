@@ -57,6 +57,7 @@ Adaptive speculation::
 
     specserve_spec_decode_num_speculative_tokens   gauge, drafts per request per step chosen now
                                                    (engine.speculation=adaptive; 0 = off, K when fixed)
+    specserve_spec_decode_draft_trees              gauge, 1 while those drafts are trees (method.tree)
 
 Serving::
 
@@ -306,6 +307,10 @@ class SpecServeMetrics:
             "fixed: K).",
         )
         self.chosen_k.set(k)
+        self.draft_trees = gauge(
+            "specserve_spec_decode_draft_trees",
+            "1 while the drafts chosen now are trees (method.tree), 0 for chains or speculation off.",
+        )
         self.num_running = gauge("specserve_num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("specserve_num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge(
@@ -350,6 +355,7 @@ class SpecServeMetrics:
     def on_step(self, stats: StepStats) -> None:
         self.set_queue_state(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
         self.chosen_k.set(stats.num_speculative_tokens)
+        self.draft_trees.set(1 if stats.draft_trees else 0)
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:

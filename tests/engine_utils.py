@@ -47,12 +47,14 @@ def draw_k_every_step(engine, k: int, seed: int) -> list[int]:
     adaptive speculation may do, at its most erratic); returns the list of draws."""
     import random
 
+    from specserve.engine.spec_control import Choice
+
     c, rng, picked = engine.spec_control, random.Random(seed), []
 
-    def choose(batch_size: int) -> int:
+    def choose(batch_size: int) -> Choice:
         c.num_drafts = rng.randint(0, k)
         picked.append(c.num_drafts)
-        return c.num_drafts
+        return Choice(c.num_drafts, c.trees)  # trees, where configured, as the fixed choice
 
     c.choose = choose
     return picked

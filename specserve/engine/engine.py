@@ -180,7 +180,7 @@ class LLMEngine:
         # (on the CPU those stay fixed: measured there with K every step).
         adaptive = e.speculation == "adaptive" or (e.speculation == "auto" and (plan.cuda or spec is not None))
         self.spec_control = SpecController(self.num_spec_tokens, adaptive=adaptive and self.num_spec_tokens > 0,
-                                           candidates=sizes, max_num_seqs=e.max_num_seqs)
+                                           candidates=sizes, max_num_seqs=e.max_num_seqs, trees=trees)
         if plan.graphs:
             self.spec_control.seed_costs(self.runner.static.time_graphs())
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
@@ -465,7 +465,8 @@ class LLMEngine:
         # the proposer nor counted by the controller: it costs what plain decoding costs.
         live = [(b, s) for b, s in enumerate(scheduled)
                 if not s.seq.finished and s.seq.params.num_speculative_tokens != 0]
-        num_drafts = self.spec_control.choose(sum(1 for _, s in live if s.sample))
+        choice = self.spec_control.choose(sum(1 for _, s in live if s.sample))
+        num_drafts = int(choice)
         reqs: list[DraftRequest] = []
         for b, s in live:
             seq = s.seq
@@ -475,7 +476,7 @@ class LLMEngine:
                        self.max_model_len - len(seq.token_ids) - 1) if s.sample else 0
             start = batch.query_start[b]
             reqs.append(DraftRequest(seq, max(room, 0), self._hidden_rows(s, start, committed),
-                                     tree=self._may_draft_tree(seq)))
+                                     tree=choice.tree and self._may_draft_tree(seq)))
         if not reqs:
             return False
         if self.predictions is not None:
@@ -615,7 +616,7 @@ class LLMEngine:
                 seq.spec_stats.num_drafts += 1
                 seq.spec_stats.num_draft_tokens += len(d)
                 seq.spec_stats.num_accepted_tokens += a
-                self.spec_control.observe_drafts(len(d), a)
+                self.spec_control.observe_drafts(len(d), a, tree=s.drafts.parents is not None)
             n_pred = s.drafts.num_from_prediction  # leading drafts from the request's prediction
             stage = "updating its draft state"
             try:
@@ -666,6 +667,7 @@ class LLMEngine:
             num_running=self.num_running, num_waiting=self.num_waiting, kv_cache_usage=self.blocks.usage,
             num_prompt_tokens=n_prompt, num_generation_tokens=n_gen, requests=req_stats,
             num_speculative_tokens=self.spec_control.num_drafts if self.num_spec_tokens else 0,
+            draft_trees=self.spec_control.tree and self.spec_control.num_drafts > 0,
             **self._prefix_cache_deltas(), **self._suffix_cache_usage(),
         ))
         return outputs

@@ -21,7 +21,20 @@ Each probe that leaves speculation off doubles that interval (up to ``probe_max`
 steps): a drafter that keeps losing, e.g. one whose drafts cost several target
 steps, stops paying a probe every few dozen steps.  Speculating again resets it.
 Until ``warmup_rounds`` drafts have been verified every step drafts K (acceptance
-is not trusted from a handful of rounds).  The choice is exported as a gauge.  A
+is not trusted from a handful of rounds).  The choice is exported as a gauge.
+
+With draft trees (``trees``: ``method.tree``) each step also chooses the shape: a chain
+of k drafts or a tree of k nodes (k + 1 verified tokens), k in the same candidates.  A
+tree's E(k) is 1 + the decayed mean accepted length of the tree rounds of k nodes (a
+tree's acceptance is not a product over positions); an unmeasured k takes the nearest
+measured size's mean (capped at k + 1), and with no tree measured the chain's E(k), so
+trees get tried.  Chains learn per-position acceptance from chain rounds only.  Both
+shapes share step(B, k+1) (the same verified tokens); propose costs are kept per shape
+(a tree runs ``depth`` drafting steps over ``topk``-wide frontiers), an unmeasured tree
+cost assumed to be the chain's.  Ties go to the tree (what the configuration asked
+for).  Warm-up alternates the two shapes so both are measured; probes and ``fixed``
+draft the configured tree.  ``choose`` returns a ``Choice``: an int (the drafts) that
+also says ``tree``.  A
 change of the choice is logged at INFO at most once per ``log_interval_s`` (by
 ``clock``): the line says the current choice and how many changes it stands for;
 every change and every probe is logged at DEBUG.
@@ -51,6 +64,22 @@ class _Ema:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
 
 
+class Choice(int):
+    """Drafts per request for the next step (an int, so it reads as before), and ``tree``:
+    whether they are drafted as a tree (only ever True with ``method.tree``)."""
+
+    tree: bool
+
+    def __new__(cls, num_drafts: int, tree: bool = False) -> "Choice":
+        c = super().__new__(cls, num_drafts)
+        c.tree = bool(tree) and num_drafts > 0
+        return c
+
+    @property
+    def key(self) -> tuple[int, bool]:
+        return int(self), self.tree
+
+
 @dataclass
 class SpecController:
     num_spec_tokens: int  # K: the most drafts a step verifies per request
@@ -68,6 +97,12 @@ class SpecController:
     reached: list[float] = field(default_factory=list)  # drafts that reached position i
     accepted: list[float] = field(default_factory=list)  # ... and were accepted there
     num_drafts: int = 0  # the last choice: drafts per request in the step being proposed
+    # Draft trees (method.tree): the shape is chosen too; K (fixed, warm-up, probes) is a tree.
+    trees: bool = False
+    tree: bool = False  # the last choice drafts trees
+    tree_rounds: dict[int, float] = field(default_factory=dict)  # tree rounds per node count (decayed)
+    tree_accepted: dict[int, float] = field(default_factory=dict)  # ... and their accepted drafts
+    tree_propose_cost: dict[int, _Ema] = field(default_factory=dict)
     _steps_off: int = 0
     _interval: int = 0  # steps off before the next probe (probe_every, doubling)
     _probed: bool = False  # the previous choice was a probe
@@ -75,8 +110,8 @@ class SpecController:
     # Logging: INFO about the choice at most once per log_interval_s seconds of clock().
     log_interval_s: float = LOG_INTERVAL_S
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
-    _logged_k: int | None = None  # the choice the last INFO line reported
-    _last_decided: int | None = None
+    _logged_k: tuple[int, bool] | None = None  # the choice the last INFO line reported
+    _last_decided: tuple[int, bool] | None = None
     _logged_at: float | None = None
     _changes: int = 0  # changes of the choice since that line
 
@@ -86,8 +121,9 @@ class SpecController:
         self.reached = [0.0] * K
         self.accepted = [0.0] * K
         self.num_drafts = K
+        self.tree = self.trees and K > 0
         self._interval = self.probe_every
-        self._logged_k = K
+        self._logged_k = (K, self.tree)
 
     # ------------------------------------------------------------------ observations
     def seed_costs(self, table: dict[tuple[int, int], float]) -> None:
@@ -103,16 +139,25 @@ class SpecController:
         if q is not None:  # only fixed-shape steps say what a (bucket, q) costs
             self.step_cost.setdefault((self.bucket(batch_size), q), _Ema()).add(step_s)
         if propose_s is not None:
-            self.propose_cost.setdefault(self.num_drafts, _Ema()).add(propose_s)
+            costs = self.tree_propose_cost if self.tree else self.propose_cost
+            costs.setdefault(self.num_drafts, _Ema()).add(propose_s)
 
     def bucket(self, batch_size: int) -> int:
         """The batch bucket whose costs a batch of ``batch_size`` requests reads and updates."""
         return batch_bucket(batch_size, self.max_num_seqs)
 
-    def observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
+    def observe_drafts(self, num_drafts: int, num_accepted: int, tree: bool = False) -> None:
         """One request's verification: drafts 1..num_accepted were accepted, and draft
-        num_accepted + 1 (if drafted) was the first rejected."""
+        num_accepted + 1 (if drafted) was the first rejected.  ``tree``: the drafts were
+        a tree's ``num_drafts`` nodes, ``num_accepted`` the accepted path's length."""
         if num_drafts == 0:
+            return
+        if tree:
+            for n in self.tree_rounds:
+                self.tree_rounds[n] *= DECAY
+                self.tree_accepted[n] *= DECAY
+            self.tree_rounds[num_drafts] = self.tree_rounds.get(num_drafts, 0.0) + 1.0
+            self.tree_accepted[num_drafts] = self.tree_accepted.get(num_drafts, 0.0) + num_accepted
             return
         for i in range(len(self.reached)):
             self.reached[i] *= DECAY
@@ -134,6 +179,21 @@ class SpecController:
             total += run
         return total
 
+    def expected_tree_tokens(self, k: int) -> float:
+        """1 + the mean accepted length of tree rounds of k nodes; an unmeasured k takes the
+        nearest measured size's (the smaller on a tie), at most k + 1; none measured: the
+        chain's E(k), so trees get tried."""
+        measured = [n for n, w in self.tree_rounds.items() if w > 0.5]
+        if not measured:
+            return self.expected_tokens(k)
+        n = min(measured, key=lambda m: (abs(m - k), m))
+        return min(1.0 + self.tree_accepted[n] / self.tree_rounds[n], k + 1.0)
+
+    def _warm(self) -> bool:
+        """Enough drafts verified (chain first positions plus tree rounds, decayed) to
+        trust the acceptance estimates."""
+        return self.reached[0] + sum(self.tree_rounds.values()) >= self.warmup_rounds
+
     def _cost(self, bucket: int, q: int) -> float | None:
         ema = self.step_cost.get((bucket, q))
         if ema is not None and ema.value is not None:
@@ -141,79 +201,102 @@ class SpecController:
         base = self.step_cost.get((bucket, 1))
         return None if base is None else base.value
 
-    def choose(self, batch_size: int) -> int:
-        """Drafts per request for the next step of a batch of ``batch_size`` decoding requests."""
-        if not self.adaptive or batch_size == 0 or self.reached[0] < self.warmup_rounds:
-            k = self.num_spec_tokens
+    def choose(self, batch_size: int) -> Choice:
+        """Drafts per request for the next step of a batch of ``batch_size`` decoding
+        requests, and (``Choice.tree``) whether they are drafted as a tree."""
+        K = self.num_spec_tokens
+        if not self.adaptive or batch_size == 0:
+            c = Choice(K, self.trees)
+        elif not self._warm():
+            c = Choice(K, self._warmup_tree())
         else:
-            k = self._best(self.bucket(batch_size), batch_size)
-            if k > 0:  # speculating again: the next spell off starts probing at probe_every
+            c = self._best(self.bucket(batch_size), batch_size)
+            if c > 0:  # speculating again: the next spell off starts probing at probe_every
                 self._interval = self.probe_every
             elif self._probed:  # the probe just measured says still off: wait twice as long
                 self._interval = min(2 * self._interval, self.probe_max)
             self._probed = False
-        decided = k
-        if self.adaptive and k == 0:
+        decided = c
+        if self.adaptive and c == 0:
             self._steps_off += 1
             if self._steps_off >= self._interval:  # look again: acceptance or costs may have moved
                 self._steps_off = 0
                 self._probed = True
-                k = self.num_spec_tokens
+                c = Choice(K, self.trees)
         else:
             self._steps_off = 0
         if self.adaptive and batch_size > 0:  # an idle engine decides nothing
-            self._log_choice(decided, k, batch_size)
-        self._last_k = self.num_drafts = k
-        return k
+            self._log_choice(decided, c, batch_size)
+        self._last_k, self.num_drafts, self.tree = c.key, int(c), c.tree
+        return c
 
-    def _log_choice(self, decided: int, k: int, batch_size: int) -> None:
+    def _warmup_tree(self) -> bool:
+        """During warm-up with trees, tree and chain rounds alternate so both are measured."""
+        return self.trees and not (self._last_k is not None and self._last_k[1])
+
+    def _say(self, key: tuple[int, bool] | None) -> str:
+        """A choice as the log lines write it: the drafts, and with trees the shape."""
+        if key is None:
+            return "?"
+        k, tree = key
+        return f"{'tree' if tree else 'chain'} of {k}" if self.trees and k > 0 else str(k)
+
+    def _log_choice(self, decided: Choice, c: Choice, batch_size: int) -> None:
         """Every change and probe at DEBUG; the decision (probes aside) at INFO when it
         differs from the last INFO line, at most once per ``log_interval_s``."""
-        if k != decided:
-            log.debug("speculation: probing %d drafts at batch %d", k, batch_size)
-        elif self._last_k is not None and k != self._last_k:
-            log.debug("speculation: %d drafts per step at batch %d (was %d)", k, batch_size, self._last_k)
-        if self._last_decided is not None and decided != self._last_decided:
+        if c.key != decided.key:
+            log.debug("speculation: probing %s drafts at batch %d", self._say(c.key), batch_size)
+        elif self._last_k is not None and c.key != self._last_k:
+            log.debug("speculation: %s drafts per step at batch %d (was %s)", self._say(c.key), batch_size,
+                      self._say(self._last_k))
+        if self._last_decided is not None and decided.key != self._last_decided:
             self._changes += 1
-        self._last_decided = decided
-        if decided == self._logged_k:
+        self._last_decided = decided.key
+        if decided.key == self._logged_k:
             return
         now = self.clock()
         if self._logged_at is not None and now - self._logged_at < self.log_interval_s:
             return  # said at the first step past the interval, if it still differs then
         extra = f"; {self._changes} changes since the last report" if self._changes > 1 else ""
-        log.info("speculation: %d drafts per step at batch %d (was %d%s)", decided, batch_size, self._logged_k, extra)
-        self._logged_k, self._logged_at, self._changes = decided, now, 0
+        log.info("speculation: %s drafts per step at batch %d (was %s%s)", self._say(decided.key), batch_size,
+                 self._say(self._logged_k), extra)
+        self._logged_k, self._logged_at, self._changes = decided.key, now, 0
 
-    def _best(self, bucket: int, batch_size: int) -> int:
+    def _best(self, bucket: int, batch_size: int) -> Choice:
+        K = self.num_spec_tokens
         base = self._cost(bucket, 1)
         if base is None:
             # Nothing measured yet: speculate and learn.  Once a K step is measured, one
             # plain step measures the base cost (without graph timings, as on the CPU,
             # nothing else would ever measure it and K would stay fixed).
-            return 0 if self._cost_known(bucket, self.num_spec_tokens + 1) else self.num_spec_tokens
-        best_k, best_rate = 0, batch_size / (base + self._propose(0))
-        for k in self.candidates:
-            cost = self._cost(bucket, k + 1)
+            return Choice(0 if self._cost_known(bucket, K + 1) else K, self.trees)
+        best, best_rate = Choice(0), batch_size / (base + self._propose(0))
+        # trees first: at an equal rate the configured shape wins
+        shapes = [(k, True) for k in self.candidates] if self.trees else []
+        for k, tree in shapes + [(k, False) for k in self.candidates]:
+            cost = self._cost(bucket, k + 1)  # the same verified tokens: one cost for both shapes
             if cost is None:
                 continue
-            rate = batch_size * self.expected_tokens(k) / (cost + self._propose(k))
+            e = self.expected_tree_tokens(k) if tree else self.expected_tokens(k)
+            rate = batch_size * e / (cost + self._propose(k, tree))
             if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+                best, best_rate = Choice(k, tree), rate
+        return best
 
     def _cost_known(self, bucket: int, q: int) -> bool:
         ema = self.step_cost.get((bucket, q))
         return ema is not None and ema.value is not None
 
-    def _propose(self, k: int) -> float:
-        """Measured cost of proposing k drafts; an unmeasured k is interpolated linearly
-        between the nearest measured k below and above it (drafting is k steps of the
-        same work), else the largest measured cost (0 for k = 0)."""
-        ema = self.propose_cost.get(k)
+    def _propose(self, k: int, tree: bool = False) -> float:
+        """Measured cost of proposing k drafts (as a tree: trees' own costs, the chain's
+        while no tree was measured); an unmeasured k is interpolated linearly between the
+        nearest measured k below and above it (drafting is k steps of the same work), else
+        the largest measured cost (0 for k = 0)."""
+        costs = self.tree_propose_cost if tree and self.tree_propose_cost else self.propose_cost
+        ema = costs.get(k)
         if ema is not None and ema.value is not None:
             return ema.value
-        known = {kk: e.value for kk, e in self.propose_cost.items() if e.value is not None}
+        known = {kk: e.value for kk, e in costs.items() if e.value is not None}
         below = [kk for kk in known if kk < k]
         above = [kk for kk in known if kk > k]
         if below and above:

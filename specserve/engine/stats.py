@@ -38,6 +38,7 @@ class StepStats:
     # Drafts per request the engine chose for its latest proposals (adaptive speculation;
     # K when fixed, 0 without speculation or while it is switched off).
     num_speculative_tokens: int = 0
+    draft_trees: bool = False  # ... drafted as trees (method.tree), not chains
     # Automatic prefix caching, in tokens (vLLM's unit): prompt tokens looked up in the cache
     # by the requests admitted this step, and those found cached (not computed again).
     prefix_cache_queries: int = 0

@@ -204,7 +204,7 @@ def test_the_adaptive_controller_never_counts_cap_zero_requests(target, prompts)
     sizes, observed = [], []
     choose, observe = eng.spec_control.choose, eng.spec_control.observe_drafts
     eng.spec_control.choose = lambda n: (sizes.append(n), choose(n))[1]
-    eng.spec_control.observe_drafts = lambda d, a: (observed.append(d), observe(d, a))[1]
+    eng.spec_control.observe_drafts = lambda d, a, **kw: (observed.append(d), observe(d, a, **kw))[1]
     outs = eng.generate(prompts, [params(0)] * len(prompts))
     assert all(o.spec.num_drafts == 0 for o in outs)
     assert set(sizes) == {0} and not observed and not any(eng.spec_control.reached)

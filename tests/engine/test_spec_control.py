@@ -184,3 +184,136 @@ def test_the_engine_buckets_batches_as_its_graphs_are_captured(tiny_llama):
     cfg.engine.max_num_seqs = 6
     eng = LLMEngine(cfg)
     assert eng.spec_control.adaptive and eng.spec_control.bucket(5) == 6
+
+
+# --------------------------------------------------------------------------- draft trees
+
+
+def _costs(c: SpecController, chain: float, tree: float, step=lambda q: 0.010 + 0.0005 * q) -> None:
+    """Injected costs: proposing per shape (every candidate k the same), verification per q."""
+    from specserve.engine.spec_control import _Ema
+
+    c.step_cost = {}
+    c.seed_costs({(1, q): step(q) for q in range(1, c.num_spec_tokens + 2)})
+    c.propose_cost = {k: _Ema(chain) for k in c.candidates}
+    c.tree_propose_cost = {k: _Ema(tree) for k in c.candidates}
+
+
+def _tree_rounds(c: SpecController, nodes: int, accepted: int, n: int = 30) -> None:
+    for _ in range(n):
+        c.observe_drafts(nodes, accepted, tree=True)
+
+
+def test_trees_that_accept_more_than_chains_at_equal_cost_are_chosen():
+    c = SpecController(4, adaptive=True, trees=True, warmup_rounds=0)
+    _costs(c, chain=0.002, tree=0.002)
+    c.reached, c.accepted = [100.0] * 4, [50.0] * 4  # chains: E(4) = 1.94
+    for k in (1, 2, 3, 4):
+        _tree_rounds(c, k, k - 1)  # trees of k nodes accept k - 1 drafts a round: E = k
+    pick = c.choose(1)
+    assert (pick, pick.tree) == (4, True) and c.num_drafts == 4 and c.tree
+    assert c.expected_tree_tokens(4) == pytest.approx(4.0) and c.expected_tokens(4) < 2.0
+
+
+def test_expensive_tree_proposing_chooses_chains():
+    """A tree round runs depth drafting steps over wide frontiers: when that costs more
+    than its extra accepted tokens are worth, a chain wins although trees accept more."""
+    c = SpecController(4, adaptive=True, trees=True, warmup_rounds=0)
+    _costs(c, chain=0.002, tree=0.100)
+    c.reached, c.accepted = [100.0] * 4, [80.0] * 4
+    _tree_rounds(c, 4, 4)  # trees accept everything: E = 5, chains E(4) = 3.36
+    pick = c.choose(1)
+    assert pick == 4 and not pick.tree
+    # the chains' acceptance was not touched by the tree rounds (chain rounds only)
+    assert c.reached == [100.0] * 4 and c.accepted == [80.0] * 4
+
+
+def test_chains_and_trees_both_losing_turn_speculation_off_and_probes_draft_the_tree():
+    c = SpecController(4, adaptive=True, trees=True, warmup_rounds=0, probe_every=5)
+    _costs(c, chain=0.002, tree=0.004, step=lambda q: 0.010 * q)  # compute-bound: q costs q x
+    c.reached, c.accepted = [100.0] * 4, [30.0] * 4
+    _tree_rounds(c, 4, 0)
+    for k in (1, 2, 3):
+        _tree_rounds(c, k, 0, n=5)
+    picks = [c.choose(1) for _ in range(10)]
+    assert picks == [0, 0, 0, 0, 4, 0, 0, 0, 0, 0]
+    assert picks[4].tree and not any(p.tree for p in picks[:4])  # the probe is the configured tree
+
+
+def test_an_unmeasured_tree_size_gets_tried():
+    c = SpecController(4, adaptive=True, trees=True, warmup_rounds=0, candidates=(2, 4))
+    _costs(c, chain=0.002, tree=0.002, step=lambda q: 0.010 + 0.005 * q)
+    c.reached, c.accepted = [100.0] * 4, [10.0] * 4  # chains hardly accepted
+    _tree_rounds(c, 4, 2)  # trees of 4 nodes: E = 3
+    assert c.expected_tree_tokens(2) == pytest.approx(3.0)  # the nearest measured size's, at most 3
+    pick = c.choose(1)
+    assert (pick, pick.tree) == (2, True)  # the same tokens for 3 verified ones: tried
+    _tree_rounds(c, 2, 0)  # measured: trees of 2 nodes accept nothing
+    assert c.expected_tree_tokens(2) == pytest.approx(1.0)
+    pick = c.choose(1)
+    assert (pick, pick.tree) == (4, True)  # back to the size that measured best
+
+
+def test_with_no_tree_measured_trees_get_tried_first():
+    c = SpecController(4, adaptive=True, trees=True, warmup_rounds=0)
+    _costs(c, chain=0.002, tree=0.002)
+    c.tree_propose_cost = {}  # unmeasured: assumed to cost what the chain costs
+    c.reached, c.accepted = [100.0] * 4, [80.0] * 4
+    assert c.expected_tree_tokens(3) == c.expected_tokens(3)
+    pick = c.choose(1)
+    assert (pick, pick.tree) == (4, True)
+
+
+def test_warmup_alternates_trees_and_chains_then_costs_are_kept_per_shape():
+    c = SpecController(4, adaptive=True, trees=True, warmup_rounds=6)
+    shapes = []
+    for _ in range(6):
+        pick = c.choose(1)
+        shapes.append(pick.tree)
+        c.observe_step(1, 5, 0.010, 0.004 if pick.tree else 0.001)
+        c.observe_drafts(4, 2, tree=pick.tree)
+    assert pick == 4 and shapes == [True, False] * 3
+    assert c.tree_propose_cost[4].value == pytest.approx(0.004) and c.propose_cost[4].value == pytest.approx(0.001)
+    assert set(c.tree_rounds) == {4} and c.tree_rounds[4] > 2 and c.reached[0] > 2  # both shapes measured
+
+
+def test_fixed_mode_drafts_the_configured_tree_and_chain_configs_never_trees():
+    fixed = SpecController(4, adaptive=False, trees=True)
+    assert all(p == 4 and p.tree for p in (fixed.choose(b) for b in (1, 8, 64)))
+    chain = SpecController(4, adaptive=True, warmup_rounds=0)
+    _costs(chain, chain=0.002, tree=0.0)
+    chain.reached, chain.accepted = [100.0] * 4, [80.0] * 4
+    _tree_rounds(chain, 4, 4)  # ignored for the choice: no tree configured
+    assert [(p, p.tree) for p in (chain.choose(1), SpecController(4).choose(1))] == [(4, False), (4, False)]
+
+
+def test_the_info_line_says_chain_or_tree(caplog):
+    c = SpecController(4, adaptive=True, trees=True, warmup_rounds=0, log_interval_s=0.0, clock=lambda: 0.0)
+    c.reached, c.accepted = [100.0] * 4, [80.0] * 4
+    _tree_rounds(c, 4, 4)
+    caplog.set_level(logging.INFO, logger="specserve.engine.spec_control")
+    _costs(c, chain=0.002, tree=0.100)
+    assert not c.choose(1).tree
+    _costs(c, chain=0.002, tree=0.002, step=lambda q: 0.010 * q)
+    c.reached, c.accepted = [100.0] * 4, [10.0] * 4
+    assert c.choose(1) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "speculation: chain of 4 drafts per step at batch 1 (was tree of 4)",
+        "speculation: 0 drafts per step at batch 1 (was chain of 4)"]
+
+
+def test_the_gauges_say_drafts_and_shape():
+    from prometheus_client import CollectorRegistry
+
+    from specserve.engine.stats import StepStats
+    from specserve.metrics import MetricsIdentity, SpecServeMetrics
+
+    registry = CollectorRegistry()
+    m = SpecServeMetrics(registry, MetricsIdentity("m", "eagle3", 6))
+    labels = {"model_name": "m", "method": "eagle3"}
+    shown = []
+    for k, tree in [(6, True), (3, False), (0, False)]:
+        m.on_step(StepStats(1, 0, 0.0, 0, 1, num_speculative_tokens=k, draft_trees=tree))
+        shown.append((registry.get_sample_value("specserve_spec_decode_num_speculative_tokens", labels),
+                      registry.get_sample_value("specserve_spec_decode_draft_trees", labels)))
+    assert shown == [(6, 1), (3, 0), (0, 0)]

@@ -174,6 +174,56 @@ def test_an_oracle_head_is_accepted_and_trees_accept_at_least_chains(root, oracl
     assert 1 < chain < wide, (chain, wide)
 
 
+def test_adaptive_speculation_switches_between_chains_and_trees_losslessly(target, oracles, prompts, plain):
+    """engine.speculation=adaptive with a tree: each step picks off, a chain or a tree.
+    Costs are injected (the engine's measured seconds are ignored): proposing a tree is
+    cheap for six steps, then dear for six, and so on, so the choice flips between tree
+    rounds and chain rounds; greedy output stays plain decoding's, every block freed."""
+    from specserve.engine.spec_control import _Ema
+
+    eng = engine(tiny_config(target, "eagle3", draft_dir=oracles["eagle3"], tree=tree(2, 3, 7),
+                             speculation="adaptive"))
+    c = eng.spec_control
+    assert c.adaptive and c.trees
+    c.warmup_rounds = 4.0
+    steps, picks = [0], []
+    choose = c.choose
+
+    def observe_step(batch_size, q, step_s, propose_s):  # injected costs: no clock involved
+        steps[0] += 1
+        dear = (steps[0] // 6) % 2 == 1
+        buckets = {c.bucket(n) for n in range(1, len(prompts) + 1)}  # verifying costs what decoding does
+        c.step_cost = {(b, n): _Ema(0.010) for b in buckets for n in range(1, c.num_spec_tokens + 2)}
+        c.propose_cost = {k: _Ema(0.001) for k in c.candidates}
+        c.tree_propose_cost = {k: _Ema(1.0 if dear else 0.001) for k in c.candidates}
+
+    def recording_choose(batch_size):
+        pick = choose(batch_size)
+        picks.append((int(pick), pick.tree))
+        return pick
+
+    c.observe_step, c.choose = observe_step, recording_choose
+    seen = record_trees(eng)
+    gauges = []  # what the metrics' gauges are set from: (drafts, trees) chosen per step
+
+    class Listener:
+        def on_step(self, stats):
+            gauges.append((stats.num_speculative_tokens, stats.draft_trees))
+
+        def on_request_finished(self, stats):
+            pass
+
+    eng.listeners.append(Listener())
+    _check_lossless(eng, prompts, plain)
+    shapes = [tree for k, tree in picks if k > 0]
+    assert True in shapes and False in shapes
+    assert sum(a != b for a, b in zip(shapes, shapes[1:])) >= 3  # switched back and forth
+    assert any(p is None for _, p in seen) and any(p is not None for _, p in seen)  # both drafted
+    assert sum(c.tree_rounds.values()) > 0 and c.reached[0] > 0  # each shape learned from its own rounds
+    # exported with each step: the choice behind its latest proposals (the previous step's)
+    assert gauges[0] == (eng.num_spec_tokens, True) and gauges[1:] == picks[: len(gauges) - 1]
+
+
 # --------------------------------------------------------------------------- the target's cache
 
 
