@@ -11,4 +11,5 @@ register(MethodSpec(
     memory="specserve.proposers.draft_model:memory",
     parallel_drafting=True,  # PARD: a draft whose config.json has pard_token
     tensor_parallel=True,
+    tree=True,  # EAGLE-2 trees expanded by the draft over its own cache
 ))

@@ -36,4 +36,5 @@ register(MethodSpec(
     memory="specserve.proposers.layer_skip:memory",
     options=LayerSkipOptions,
     needs_model=False,
+    tree=True,  # the draft_model proposer's trees, over the kept layers
 ))

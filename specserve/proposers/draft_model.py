@@ -7,6 +7,17 @@ steps; all requests are batched in each draft forward.  Drafts are the
 draft's argmax, so q is one-hot and both strict and probabilistic
 verification stay exact.  After verification the draft's cache is rolled back
 to the accepted prefix by bookkeeping.
+
+Trees (``method.tree``): a request that may take one (``DraftRequest.tree``) gets an
+EAGLE-2 tree instead of a chain (``_draft_trees``): after the catch-up, level 1 is the
+draft's ``topk`` best tokens; each of ``depth - 1`` expansion steps runs the draft once
+over the frontier (``heads.tree_levels``), its ``topk`` nodes stored past the committed
+tokens in the draft's cache and attending to the committed tokens and their ancestors
+through tree masks (``heads.FrontierMasks``), and scores their ``topk`` children; then
+the ``max_drafts`` best nodes, parents first (``heads.choose_nodes``).  Tree steps run
+eagerly (the chain's CUDA step path is unchanged).  After a tree the draft's cache
+counts only the tokens up to the root: the accepted path's K/V is computed by the next
+round's catch-up, as a new token's would be.
 """
 
 from __future__ import annotations
@@ -23,8 +34,9 @@ from specserve.executor.backends.factory import RunnerFactory
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model
 from specserve.executor.batch import SeqInput, StepBatch
-from specserve.methods import SpeculativeConfig
+from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
+from specserve.proposers.heads import FrontierMasks, choose_nodes, tree_levels
 
 
 @dataclass
@@ -43,7 +55,7 @@ class DraftModelProposer:
         self, draft: LoadedModel, num_spec_tokens: int, num_blocks: int, block_size: int,
         runners: RunnerFactory | None = None,
         max_num_seqs: int = 32, max_step_tokens: int = 2048, mask_token_id: int | None = None,
-        kv: KVCache | None = None,
+        kv: KVCache | None = None, tree: TreeConfig | None = None,
     ):
         self.num_spec_tokens = num_spec_tokens  # K: the most drafts per request and step
         # PARD (parallel drafting): the draft's mask token; all K drafts come from one
@@ -55,10 +67,32 @@ class DraftModelProposer:
             kv = KVCache(draft.arch.num_layers, num_blocks, block_size, draft.arch.num_kv_heads,
                          draft.arch.head_dim, draft.dtype, draft.device)
         runners = runners if runners is not None else RunnerFactory()
-        self.runner = runners.draft(draft, kv, max_num_seqs=max_num_seqs, max_num_tokens=self.max_step_tokens)
+        # method.tree (a static tree as its shape): trees for the requests that may take one, else chains
+        self.tree = tree.expanded() if tree is not None and tree.enabled else None
+        if self.tree is not None:  # a tree step runs topk frontier rows per request
+            self.max_step_tokens = max(self.max_step_tokens, max_num_seqs * self.tree.topk)
+        self.window = draft.arch.sliding_window
+        self.runner = runners.draft(draft, kv, max_num_seqs=max_num_seqs, max_num_tokens=self.max_step_tokens,
+                                    trees=self.tree is not None)
         self.states: dict[str, _DraftState] = {}
 
     def propose(self, requests: list[DraftRequest], step=None) -> Proposal:
+        """Trees for the requests that may take one (``_draft_trees``), chains for the rest."""
+        trees = [i for i, r in enumerate(requests) if self.tree is not None and r.tree and r.max_drafts > 0]
+        if not trees:
+            return self._propose_chains(requests)
+        chosen = set(trees)
+        chains = [i for i in range(len(requests)) if i not in chosen]
+        drafts: list[list[int]] = [[] for _ in requests]
+        if chains:
+            sub = self._propose_chains([requests[i] for i in chains])
+            for i, toks in zip(chains, sub.token_ids):
+                drafts[i] = toks
+        parents: list[list[int] | None] = [None] * len(requests)
+        self._draft_trees([requests[i] for i in trees], trees, drafts, parents)
+        return Proposal(token_ids=drafts, parents=parents)
+
+    def _propose_chains(self, requests: list[DraftRequest]) -> Proposal:
         """Catch each request up on the tokens its draft cache has not seen, then draft
         greedily.  The drafter's own samples are fed back on the device: the K-step loop
         reads nothing back until the drafts are complete (one copy at the end), so on
@@ -147,8 +181,12 @@ class DraftModelProposer:
     def _catch_up(self, inputs: list[SeqInput]):
         """Run the unseen tokens (whole prompts for new requests) in forwards of at most
         ``max_step_tokens`` tokens; returns the argmax after each sequence's last token."""
+        return self._catch_up_logits(inputs).argmax(dim=-1)
+
+    def _catch_up_logits(self, inputs: list[SeqInput]):
+        """``_catch_up``'s forwards; (B, V) the logits after each sequence's last token."""
         if sum(len(s.token_ids) for s in inputs) <= self.max_step_tokens:
-            return self.runner.forward(inputs).logits.argmax(dim=-1)
+            return self.runner.forward(inputs).logits
         cap = self.max_step_tokens
         last: list = [None] * len(inputs)
         pending = [(j, s.token_ids, s.start_pos) for j, s in enumerate(inputs)]
@@ -165,21 +203,69 @@ class DraftModelProposer:
                 if not done:
                     rest.append((j, toks[len(part):], start + len(part)))
                 budget -= len(part)
-            out = self.runner.forward(chunk)
-            argmax = out.logits.argmax(dim=-1)
+            logits = self.runner.forward(chunk).logits
             n = 0
             for j in owners:
                 if j is not None:
-                    last[j] = argmax[n : n + 1]
+                    last[j] = logits[n : n + 1].clone()  # the runner may reuse its output buffer
                     n += 1
             pending = rest
         return torch.cat(last)
+
+    def _tree_nodes_run(self) -> int:
+        """Nodes a tree round stores past the committed tokens (the frontiers it expands)."""
+        t = self.tree
+        return t.topk * (min(t.depth, t.num_draft_tokens - 1) - 1)
+
+    def _draft_trees(self, requests: list[DraftRequest], index: list[int], drafts: list[list[int]],
+                     parents: list[list[int] | None]) -> None:
+        """EAGLE-2 trees for ``requests`` (rows ``index`` of the proposal): catch up, take
+        level 1 from the logits after the newest token, then per expansion step s run the
+        draft over each tree's frontier (``topk`` nodes at rotary position len + s - 1,
+        stored after the earlier frontiers from context index len on, the tree base) and
+        grow their children.  A request without room for its nodes gets no drafts."""
+        k = self.tree.topk
+        rows, inputs, ends = [], [], []
+        for n, r in enumerate(requests):
+            st = self.states.setdefault(r.seq.request_id, _DraftState())
+            toks = r.seq.token_ids
+            if not self.blocks.ensure(st.block_table, len(toks) + self._tree_nodes_run()):
+                continue
+            new = toks[st.num_computed :]
+            inputs.append(SeqInput(new, st.num_computed, st.block_table, [len(new) - 1]))
+            rows.append(n)
+            ends.append(len(toks))
+        if not rows:
+            return
+        logits = self._catch_up_logits(inputs)
+        states = [self.states[requests[n].seq.request_id] for n in rows]
+        for st, end in zip(states, ends):
+            st.num_computed = end
+        want = [min(self.num_spec_tokens, requests[n].max_drafts) for n in rows]
+        depth = min(self.tree.depth, max(want))
+        tree = tree_levels(self.tree, torch.log_softmax(logits.float(), dim=-1))
+        masks = FrontierMasks(len(rows), k, self.window)
+        parent_slot = None
+        bs = self.runner.kv.block_size
+        for s in range(1, depth):
+            stored = masks.stored
+            seqs = [SeqInput([0] * k, end + stored, st.block_table, list(range(k)), positions=[end + s - 1] * k,
+                             tree_base=end, tree_masks=m)
+                    for st, end, m in zip(states, ends, masks.add(parent_slot))]
+            out = self.runner.execute(StepBatch.from_inputs(seqs, bs), device_token_ids=tree.frontier_tokens())
+            tree.grow(*torch.log_softmax(out.logits.float(), dim=-1).topk(k, dim=-1))  # (B*k, k)
+            if s + 1 < depth:
+                parent_slot = tree.advance().tolist()
+        score, tok, parent = tree.pool()
+        choose_nodes([(index[n], w) for n, w in zip(rows, want)], score, tok, parent, drafts, parents)
 
     def on_verified(self, seq, num_tokens_before: int, num_drafts: int, num_accepted: int) -> None:
         st = self.states.get(seq.request_id)
         if st is None or num_drafts == 0:
             return
-        # The draft cache holds the old tokens + d_1..d_{n-1}; keep the accepted prefix.
+        # After a chain the draft cache holds the old tokens + d_1..d_{n-1}: keep the accepted
+        # prefix.  After a tree it counts the old tokens only (num_computed stops at the root:
+        # the nodes past it are no path's), and the next catch-up runs the accepted path.
         st.num_computed = min(st.num_computed, num_tokens_before + num_accepted)
         self.blocks.trim(st.block_table, st.num_computed)
 
@@ -190,19 +276,22 @@ class DraftModelProposer:
 
 
 def runner_needs(a, dtype_bytes: int, max_len: int, engine, k: int, target: TargetShape,
-                 parallel_drafting: bool = False) -> MemoryNeeds:
+                 parallel_drafting: bool = False, tree_width: int = 0) -> MemoryNeeds:
     """What a ``DraftModelProposer`` over a model of ``a`` (an ArchConfig) holds besides
     its weights: its KV cache per block; on CUDA its persistent step runner and the
     decode graphs (q = 1, buckets up to max_num_seqs); its largest eager step (a
-    catch-up of max_step_tokens tokens; with PARD the masks' logits too)."""
+    catch-up of max_step_tokens tokens; with PARD the masks' logits too; with trees of
+    ``tree_width`` (topk) a frontier's logits per request, their log-probabilities too)."""
     B = engine.max_num_seqs
-    step_tokens = max(engine.max_num_batched_tokens, B)  # DraftModelProposer.max_step_tokens
+    step_tokens = max(engine.max_num_batched_tokens, B, B * tree_width)  # DraftModelProposer.max_step_tokens
     graphs = 0
     if target.cuda:
         graphs = runner_buffer_bytes(B, step_tokens, max_len, engine.block_size, a.num_heads, a.head_dim)
         if target.cuda_graphs:
             graphs += graph_output_bytes(B, a, dtype_bytes) + graph_pool_bytes(B, a, dtype_bytes)
     rows = min(B * k, step_tokens) if parallel_drafting else B
+    if tree_width:  # a tree step's frontier rows, and their float log-probabilities beside the logits
+        rows = max(rows, 2 * B * tree_width)
     return MemoryNeeds(
         kv_bytes_per_block=kv_bytes_per_block(a.num_layers, engine.block_size, a.num_kv_heads, a.head_dim, dtype_bytes),
         graph_bytes=graphs, transient_bytes=step_activation_bytes(a, step_tokens, rows, dtype_bytes),
@@ -227,7 +316,8 @@ def memory(spec: SpeculativeConfig, target: TargetShape, engine, draft) -> Memor
     dtype = draft.dtype if draft is not None else "auto"
     dt = _DTYPE_BYTES.get(dtype, target.dtype_bytes)  # auto: the target's
     max_len = spec.max_model_len or target.max_model_len
-    needs = runner_needs(a, dt, max_len, engine, spec.num_speculative_tokens, target, spec.parallel_drafting)
+    width = spec.tree.expanded().topk if spec.tree is not None and spec.tree.enabled else 0
+    needs = runner_needs(a, dt, max_len, engine, spec.num_speculative_tokens, target, spec.parallel_drafting, width)
     return replace(needs, weight_bytes=decoder_weight_bytes(a, dt) + rotary_bytes(a.head_dim, max_len))
 
 
@@ -272,5 +362,5 @@ def build(spec: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
     return DraftModelProposer(
         draft, spec.num_speculative_tokens, ctx.num_kv_blocks, ctx.engine.block_size,
         runners=RunnerFactory.from_engine(ctx.engine, ctx.cache_dir), max_num_seqs=ctx.engine.max_num_seqs,
-        max_step_tokens=ctx.engine.max_num_batched_tokens, mask_token_id=mask,
+        max_step_tokens=ctx.engine.max_num_batched_tokens, mask_token_id=mask, tree=spec.tree,
     )

@@ -241,6 +241,7 @@ class LayerSkipProposer:
     def __init__(self, spec: LayerSkipOptions, ctx: ProposerContext):
         self.target: LoadedModel = ctx.target
         self.num_spec_tokens = spec.num_speculative_tokens
+        self.tree = spec.tree  # method.tree: the draft expands trees (DraftModelProposer)
         self.ctx = ctx
         self.runners = RunnerFactory.from_engine(ctx.engine, ctx.cache_dir)
         L = self.target.arch.num_layers
@@ -279,6 +280,7 @@ class LayerSkipProposer:
         self.inner = DraftModelProposer(
             skip_loaded(self.target, model), self.num_spec_tokens, self.ctx.num_kv_blocks, e.block_size,
             runners=self.runners, max_num_seqs=e.max_num_seqs, max_step_tokens=e.max_num_batched_tokens, kv=self.kv,
+            tree=self.tree,
         )
 
     @property

@@ -200,7 +200,8 @@ def test_a_tree_sets_k_to_its_drafts():
 
 
 @pytest.mark.parametrize("method,tree,line", [
-    ("ngram", dict(topk=2, depth=2, num_draft_tokens=4), "method.tree: ngram drafts chains; only eagle, eagle3"),
+    ("ngram", dict(topk=2, depth=2, num_draft_tokens=4),
+     "method.tree: ngram drafts chains; only draft_model, eagle, eagle3"),
     ("eagle3", dict(topk=2, depth=2), "method.tree.num_draft_tokens: is required with a tree"),
     ("eagle3", dict(topk=0, depth=2, num_draft_tokens=3), "method.tree.topk: must be >= 1, got 0"),
     ("eagle3", dict(topk=2, depth=0, num_draft_tokens=3), "method.tree.depth: must be >= 1, got 0"),
