@@ -25,23 +25,9 @@ from engine_utils import tiny_config  # noqa: E402
 from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
 
 from specserve.engine.engine import LLMEngine  # noqa: E402
-from specserve.executor.loader import load_model  # noqa: E402
+from tree_utils import engine, follow_chain_cache, record_trees, tree  # noqa: E402
 
 MAX_TOKENS = 20
-_LOADED: dict[str, object] = {}
-
-
-def engine(cfg) -> LLMEngine:
-    path = cfg.model.path
-    if path not in _LOADED:
-        _LOADED[path] = load_model(path, "float32", torch.device("cpu"))
-    return LLMEngine(cfg, target=_LOADED[path])
-
-
-def tree(topk: int, depth: int, n: int) -> dict:
-    return {"topk": topk, "depth": depth, "num_draft_tokens": n}
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tiny_llama, tiny_draft):
     root = tmp_path_factory.mktemp("draft-tree")
@@ -64,21 +50,6 @@ def plain(models, prompts):
 def config(models, name: str, **kw):
     target, draft = models[name]
     return tiny_config(target, "draft_model", draft_dir=draft, **kw)
-
-
-def record_trees(eng) -> list[tuple[list[int], list[int] | None]]:
-    seen = []
-    propose = eng.proposer.propose
-
-    def recording(reqs, step=None):
-        prop = propose(reqs, step)
-        for i, (r, toks) in enumerate(zip(reqs, prop.token_ids)):
-            if r.max_drafts > 0 and toks:
-                seen.append((list(toks), prop.parents[i] if prop.parents is not None else None))
-        return prop
-
-    eng.proposer.propose = recording
-    return seen
 
 
 def check_lossless(eng, prompts, expected):
@@ -220,29 +191,7 @@ def test_the_draft_cache_holds_the_chains_kv_at_committed_positions(models, prom
     the first nodes), the draft's K/V at the committed positions are a chain run's."""
     eng = engine(config(models, "bigram", tree=tree(3, 3, 8)))
     ref = engine(config(models, "bigram", k=3))
-    eng.add_request("t", prompts[1], greedy(40))
-    ref.add_request("r", prompts[1], greedy(40))
-    seq, rseq = eng.requests["t"].seq, ref.requests["r"].seq
-    moved = checked = 0
-    compact = eng._compact_trees
-
-    def spy(scheduled):
-        nonlocal moved
-        moved += sum(1 for s in scheduled if s.verified is not None and s.verified.path
-                     and s.verified.path != list(range(len(s.verified.path))))
-        compact(scheduled)
-
-    eng._compact_trees = spy
-    while eng.has_unfinished() and checked < 10:
-        eng.step()
-        if not eng.has_unfinished():
-            break
-        n = seq.num_computed
-        while rseq.num_computed < n:
-            ref.step()
-        assert rseq.token_ids[:n] == seq.token_ids[:n]
-        torch.testing.assert_close(_draft_kv(eng, "t", n), _draft_kv(ref, "r", n), atol=1e-4, rtol=1e-4)
-        checked += 1
+    checked, moved = follow_chain_cache(eng, ref, prompts[1], greedy(40), _draft_kv)
     assert checked == 10 and moved > 0
 
 

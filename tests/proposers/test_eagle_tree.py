@@ -22,24 +22,9 @@ from engine_utils import draw_k_every_step, greedy, random_prompts, run, tiny_co
 from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.executor.batch import SeqInput  # noqa: E402
-from specserve.executor.loader import load_model  # noqa: E402
 from specserve.request import SamplingParams  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
-
-_LOADED: dict[str, object] = {}
-
-
-def engine(cfg) -> LLMEngine:
-    """An engine on the configured target, loaded once per module."""
-    path = cfg.model.path
-    if path not in _LOADED:
-        _LOADED[path] = load_model(path, "float32", torch.device("cpu"))
-    return LLMEngine(cfg, target=_LOADED[path])
-
-
-def tree(topk: int, depth: int, n: int) -> dict:
-    return {"topk": topk, "depth": depth, "num_draft_tokens": n}
-
+from tree_utils import engine, record_trees, tree  # noqa: E402
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
@@ -71,22 +56,6 @@ def prompts():
 @pytest.fixture(scope="module")
 def plain(target, prompts):
     return run(engine(tiny_config(target)), prompts, [greedy(24) for _ in prompts])
-
-
-def record_trees(eng) -> list[tuple[list[int], list[int] | None]]:
-    """Every (drafts, parents) the proposer returns to the engine."""
-    seen = []
-    propose = eng.proposer.propose
-
-    def recording(reqs, step=None):
-        prop = propose(reqs, step)
-        for i, (r, toks) in enumerate(zip(reqs, prop.token_ids)):
-            if r.max_drafts > 0 and toks:
-                seen.append((list(toks), prop.parents[i] if prop.parents is not None else None))
-        return prop
-
-    eng.proposer.propose = recording
-    return seen
 
 
 def _check_lossless(eng, prompts, expected, params=None):
@@ -364,7 +333,6 @@ def test_sampled_trees_follow_the_target(small, method):
     # seeded: a request reproduces alone
     alone = eng.generate([PROMPT], [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=17)])
     assert alone[0].token_ids == outs[17].token_ids
-
 
 
 def test_trees_deeper_than_a_sliding_window_equal_plain_decoding(root, prompts):

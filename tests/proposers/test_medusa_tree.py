@@ -25,7 +25,6 @@ from engine_utils import draw_k_every_step, greedy, random_prompts, run, tiny_co
 from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.errors import ConfigError  # noqa: E402
-from specserve.executor.loader import load_model  # noqa: E402
 from specserve.methods import TreeConfig  # noqa: E402
 from specserve.proposers.base import DraftRequest  # noqa: E402
 from specserve.proposers.medusa import MedusaProposer, load_medusa  # noqa: E402
@@ -33,40 +32,10 @@ from specserve.request import SamplingParams  # noqa: E402
 from test_medusa import (PROMPT, V_SMALL, Head, bigram_map, exact_marginals, oracle_heads,  # noqa: E402
                          random_heads, residual_blocks, tv, write_layout, write_medusa)
 from tiny_models import make_tiny_model  # noqa: E402
+from tree_utils import engine, record_trees, tree  # noqa: E402
 
 MAX_TOKENS = 20
 NUM_HEADS = 4
-
-_LOADED: dict[str, object] = {}
-
-
-def engine(cfg) -> LLMEngine:
-    """An engine on the configured target, the target loaded once per module."""
-    path = cfg.model.path
-    if path not in _LOADED:
-        _LOADED[path] = load_model(path, "float32", torch.device("cpu"))
-    return LLMEngine(cfg, target=_LOADED[path])
-
-
-def tree(topk: int, depth: int, n: int) -> dict:
-    return {"topk": topk, "depth": depth, "num_draft_tokens": n}
-
-
-def record_trees(eng) -> list[tuple[list[int], list[int] | None]]:
-    """Every (drafts, parents) the proposer hands the engine."""
-    seen = []
-    propose = eng.proposer.propose
-
-    def recording(reqs, step=None):
-        prop = propose(reqs, step)
-        for i, (r, toks) in enumerate(zip(reqs, prop.token_ids)):
-            if r.max_drafts > 0 and toks:
-                seen.append((list(toks), prop.parents[i] if prop.parents is not None else None))
-        return prop
-
-    eng.proposer.propose = recording
-    return seen
-
 
 def check_tree(toks: list[int], parents: list[int] | None, shape: dict) -> list[int]:
     """A well-formed tree of ``shape``: parents first, at most topk children per node, no

@@ -28,24 +28,9 @@ from test_mtp import CASES, add_mtp_layers  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 from specserve.engine.engine import LLMEngine  # noqa: E402
-from specserve.executor.loader import load_model  # noqa: E402
+from tree_utils import engine, follow_chain_cache, record_trees, tree  # noqa: E402
 
 MAX_TOKENS = 20
-_LOADED: dict[str, object] = {}
-
-
-def engine(cfg) -> LLMEngine:
-    """An engine on the configured target, the target loaded once per module."""
-    path = cfg.model.path
-    if path not in _LOADED:
-        _LOADED[path] = load_model(path, "float32", torch.device("cpu"))
-    return LLMEngine(cfg, target=_LOADED[path])
-
-
-def tree(topk: int, depth: int, n: int) -> dict:
-    return {"topk": topk, "depth": depth, "num_draft_tokens": n}
-
-
 def oracle_mtp(model_dir: Path, n: int) -> Path:
     """n MTP layers (DeepSeek naming, the target's LM head) that predict a bigram target:
     eh_proj passes the normed token embedding, the block adds nothing (o_proj and
@@ -84,22 +69,6 @@ def prompts():
 @pytest.fixture(scope="module")
 def plain(targets, prompts):
     return {name: plain_outputs(model, prompts, MAX_TOKENS) for name, model in targets.items()}
-
-
-def record_trees(eng) -> list[tuple[list[int], list[int] | None]]:
-    """Every (drafts, parents) the proposer hands the engine."""
-    seen = []
-    propose = eng.proposer.propose
-
-    def recording(reqs, step=None):
-        prop = propose(reqs, step)
-        for i, (r, toks) in enumerate(zip(reqs, prop.token_ids)):
-            if r.max_drafts > 0 and toks:
-                seen.append((list(toks), prop.parents[i] if prop.parents is not None else None))
-        return prop
-
-    eng.proposer.propose = recording
-    return seen
 
 
 def check_lossless(eng, prompts, expected, params=None):
@@ -190,29 +159,7 @@ def test_the_mtp_cache_holds_the_chains_kv_at_committed_positions(targets, promp
     model = targets["oracle-2"]
     eng = engine(tiny_config(model, "mtp", tree=tree(3, 3, 8)))
     ref = engine(tiny_config(model, "mtp", k=3))
-    eng.add_request("t", prompts[1], greedy(40))
-    ref.add_request("r", prompts[1], greedy(40))
-    seq, rseq = eng.requests["t"].seq, ref.requests["r"].seq
-    moved = checked = 0
-    compact = eng._compact_trees
-
-    def spy(scheduled):
-        nonlocal moved
-        moved += sum(1 for s in scheduled if s.verified is not None and s.verified.path
-                     and s.verified.path != list(range(len(s.verified.path))))
-        compact(scheduled)
-
-    eng._compact_trees = spy
-    while eng.has_unfinished() and checked < 10:
-        eng.step()
-        if not eng.has_unfinished():
-            break
-        n = seq.num_computed
-        while rseq.num_computed < n:
-            ref.step()
-        assert rseq.token_ids[:n] == seq.token_ids[:n]
-        torch.testing.assert_close(_mtp_kv(eng, "t", n), _mtp_kv(ref, "r", n), atol=1e-4, rtol=1e-4)
-        checked += 1
+    checked, moved = follow_chain_cache(eng, ref, prompts[1], greedy(40), _mtp_kv)
     assert checked == 10 and moved > 0  # some accepted path sat off the first nodes
 
 

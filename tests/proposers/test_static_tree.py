@@ -23,25 +23,15 @@ from test_medusa import oracle_heads, write_layout  # noqa: E402
 from specserve.compose import compose_config  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.errors import ConfigError  # noqa: E402
-from specserve.executor.loader import load_model  # noqa: E402
 from specserve.methods import TreeConfig  # noqa: E402
 from specserve.proposers.heads import choose_nodes, tree_levels  # noqa: E402
+from tree_utils import engine, record_trees  # noqa: E402
 
 MAX_TOKENS = 20
 STATIC = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]"
 # its paths in level order (the order drafts come in) and each one's parent among them
 LEVEL_ORDER = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]
 PARENTS = [-1, -1, -1, 0, 0, 1, 3, 4]
-
-_LOADED: dict[str, object] = {}
-
-
-def engine(cfg) -> LLMEngine:
-    path = cfg.model.path
-    if path not in _LOADED:
-        _LOADED[path] = load_model(path, "float32", torch.device("cpu"))
-    return LLMEngine(cfg, target=_LOADED[path])
-
 
 # --------------------------------------------------------------------------- the levels
 
@@ -93,21 +83,6 @@ def root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def prompts():
     return random_prompts(5, seed=31)
-
-
-def record_trees(eng) -> list[tuple[list[int], list[int] | None]]:
-    seen = []
-    propose = eng.proposer.propose
-
-    def recording(reqs, step=None):
-        prop = propose(reqs, step)
-        for i, (r, toks) in enumerate(zip(reqs, prop.token_ids)):
-            if r.max_drafts > 0 and toks:
-                seen.append((list(toks), prop.parents[i] if prop.parents is not None else None))
-        return prop
-
-    eng.proposer.propose = recording
-    return seen
 
 
 def _eagle3(root: Path, prompts) -> tuple[Path, Path]:
