@@ -29,12 +29,12 @@ from specserve.methods import TreeConfig  # noqa: E402
 from specserve.proposers.mlp_speculator import MLPSpeculatorProposer, load_mlp_speculator  # noqa: E402
 from specserve.request import SamplingParams  # noqa: E402
 from test_medusa import PROMPT, V_SMALL, bigram_map, exact_marginals, tv  # noqa: E402
-from test_medusa_tree import (BY_HAND, check_frontiers, check_tree, engine, fake_requests,  # noqa: E402
-                              fake_target, record_trees, reference_tree, tree)
+from test_medusa_tree import (BY_HAND, MAX_TOKENS, SHAPES, _acceptance_length, _lossless,  # noqa: E402
+                              check_frontiers, check_tree, engine, fake_requests, fake_target, record_trees,
+                              reference_tree, tree)
 from test_mlp_speculator import make_speculator  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
-MAX_TOKENS = 20
 N_PREDICT = 4
 INNER = 64
 
@@ -136,20 +136,6 @@ def oracle(root, exact_bigram, prompts) -> tuple[Path, list[list[int]]]:
 def leaky_plain(leaky, prompts):
     return run(engine(tiny_config(leaky)), prompts, [greedy(MAX_TOKENS) for _ in prompts])
 
-
-def _lossless(eng, prompts, expected, params=None):
-    outs = eng.generate(prompts, params or [greedy(MAX_TOKENS) for _ in prompts])
-    assert [o.token_ids for o in outs] == expected
-    assert eng.blocks.num_free == eng.blocks.num_blocks  # every KV block freed
-    return outs
-
-
-def _acceptance_length(eng, prompts, expected) -> float:
-    outs = _lossless(eng, prompts, expected)
-    return 1 + sum(o.spec.num_accepted_tokens for o in outs) / sum(o.spec.num_drafts for o in outs)
-
-
-SHAPES = [tree(1, 4, 5), tree(2, 3, 6), tree(3, 2, 8), tree(2, 4, 8)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"topk{s['topk']}-depth{s['depth']}-n{s['num_draft_tokens']}"
