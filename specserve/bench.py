@@ -121,6 +121,30 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, con
     return RunResult(n / wall, n, wall, toks)
 
 
+def run_interleaved(engines: dict[str, LLMEngine], prompts: list[list[int]], max_tokens: int, concurrency: int,
+                    ) -> dict[str, RunResult]:
+    """``run_engine`` for each of ``engines`` in turns: rounds of ``concurrency`` prompts, each
+    round run by every engine, the order rotating from round to round, so drift in the
+    machine's speed lands on every engine alike.  Each result's tokens/s is its tokens over
+    the sum of its own rounds' wall times."""
+    names = list(engines)
+    walls = dict.fromkeys(names, 0.0)
+    outs: dict[str, list[list[int]]] = {n: [] for n in names}
+    rounds = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+    with progress("interleaved: " + " / ".join(names), len(prompts)) as bar:
+        for r, group in enumerate(rounds):
+            for n in names[r % len(names):] + names[: r % len(names)]:
+                res = run_engine(engines[n], group, max_tokens, concurrency)
+                walls[n] += res.wall_s
+                outs[n].extend(res.outputs)
+            bar.update(len(group))
+    results = {}
+    for n in names:
+        total = sum(len(t) for t in outs[n])
+        results[n] = RunResult(total / walls[n], total, walls[n], outs[n])
+    return results
+
+
 def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, eos: tuple[int, ...], desc: str | None = None,
            **kw: Any) -> RunResult:
     outs: list[list[int]] = []
@@ -391,18 +415,29 @@ def run_bench(cfg: Config) -> int:
     if warm:
         run_engine(engine, warm, 8, 1)
     counter.__init__(max(k, 1))
-    runs["specserve"] = run_engine(engine, prompts, b.max_tokens, b.concurrency, desc="specserve")
+    vanilla = None
+    interleave = b.interleave and "specserve_vanilla" in b.baselines and cfg.method is not None
+    if interleave:  # the method and plain decoding in turns (bench.interleave)
+        vanilla = LLMEngine(Config(**{**cfg.__dict__, "method": None}), target=target)
+        if warm:
+            run_engine(vanilla, warm, 8, 1)
+        runs.update(run_interleaved({"specserve": engine, "specserve_vanilla": vanilla}, prompts, b.max_tokens,
+                                    b.concurrency))
+        runs["specserve_vanilla"].extra.update(concurrency=b.concurrency, interleaved=True)
+        runs["specserve"].extra["interleaved"] = True
+    else:
+        runs["specserve"] = run_engine(engine, prompts, b.max_tokens, b.concurrency, desc="specserve")
     runs["specserve"].extra.update(counter.summary())
     runs["specserve"].extra["concurrency"] = b.concurrency
 
-    vanilla = None
-    if "specserve_vanilla" in b.baselines:
+    if "specserve_vanilla" in b.baselines and not interleave:
         vcfg = Config(**{**cfg.__dict__, "method": None})
         vanilla = LLMEngine(vcfg, target=target) if cfg.method is not None else engine
         if warm:
             run_engine(vanilla, warm, 8, 1)
         runs["specserve_vanilla"] = run_engine(vanilla, prompts, b.max_tokens, b.concurrency, desc="specserve_vanilla")
         runs["specserve_vanilla"].extra["concurrency"] = b.concurrency
+    if vanilla is not None:
         if b.concurrency > 1:
             runs["specserve_vanilla_concurrency1"] = run_engine(vanilla, prompts, b.max_tokens, 1,
                                                                 desc="specserve_vanilla_concurrency1")

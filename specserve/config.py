@@ -187,6 +187,10 @@ class BenchConfig:
     # Per-step breakdown (wall vs device time, kernels per step) of one decode step and
     # one verification step; "auto" = on CUDA.
     profile_steps: str = "auto"
+    # Run the method and plain decoding (specserve_vanilla) in turns, a round of
+    # `concurrency` prompts each, alternating which goes first, so a machine whose speed
+    # drifts (a shared host) slows both alike; each run's tokens/s sums its own rounds.
+    interleave: bool = False
 
 
 @dataclass
@@ -510,6 +514,8 @@ def validate_config(cfg: Config) -> Config:
     _int("bench.num_prompts", b.num_prompts, 1)
     _int("bench.max_tokens", b.max_tokens, 1)
     _int("bench.concurrency", b.concurrency, 1)
+    if not isinstance(b.interleave, bool):
+        raise ConfigError("bench.interleave", f"must be true or false, got {b.interleave!r}")
     for name in b.baselines:
         _choice("bench.baselines", name, ("specserve_vanilla", "hf"))
     return cfg

@@ -87,3 +87,67 @@ def test_bench_shows_a_bar_per_run_and_writes_the_greedy_match_line(tiny, tmp_pa
     assert line.startswith("greedy_match ") and "vs hf_generate" in line and "vs specserve_vanilla" in line
     assert line in stdout.splitlines()
     assert set(report["greedy_match_explained"]) == set(report["greedy_match"])
+
+
+class _Recorder:
+    """An engine stand-in for ``run_interleaved``: records which prompts it ran, in order."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log, self.pending = name, log, []
+
+    def add_request(self, rid, prompt, params):
+        self.pending.append((rid, prompt))
+        self.log.append((self.name, prompt[0]))
+
+    def step(self):
+        from types import SimpleNamespace
+
+        done, self.pending = self.pending, []
+        return [SimpleNamespace(request_id=rid, finished=True, token_ids=list(p)) for rid, p in done]
+
+
+def test_interleaved_runs_take_turns_in_rotating_order():
+    """Each round of ``concurrency`` prompts is run by every engine, the first of the
+    round rotating, so drift in the machine's speed lands on both runs alike."""
+    from specserve.bench import run_interleaved
+
+    log: list = []
+    engines = {"a": _Recorder("a", log), "b": _Recorder("b", log)}
+    prompts = [[i, i] for i in range(5)]
+    res = run_interleaved(engines, prompts, max_tokens=4, concurrency=2)
+    assert [name for name, _ in log] == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "b"]
+    assert [p for name, p in log if name == "a"] == [0, 1, 2, 3, 4] == [p for name, p in log if name == "b"]
+    for name in engines:
+        assert res[name].outputs == prompts and res[name].output_tokens == 10 and res[name].wall_s > 0
+
+
+def test_bench_interleaves_the_method_with_plain_decoding(tiny, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["w1 w2 w3 w1 w2", "w5 w6 w7", "w9 w9 w9 w9"]))
+    out = tmp_path / "bench.json"
+    cfg = compose_config([f"model.path={tiny}", "model.name=tiny", "model.dtype=float32", "engine.num_kv_blocks=256",
+                          "engine.block_size=4", "engine.num_threads=1", "+method=ngram",
+                          "method.num_speculative_tokens=2", f"bench.prompts_file={prompts}", "bench.num_prompts=3",
+                          "bench.max_tokens=6", "bench.chat=false", f"bench.output={out}", "bench.interleave=true",
+                          "bench.baselines=[specserve_vanilla]"])  # fmt: skip
+    assert run_bench(cfg) == 0
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert runs["specserve"]["interleaved"] and runs["specserve_vanilla"]["interleaved"]
+    assert runs["specserve"]["output_tokens"] == runs["specserve_vanilla"]["output_tokens"] > 0
+    assert "mean_acceptance_length" in runs["specserve"] and "mean_acceptance_length" not in runs["specserve_vanilla"]
+    assert report["greedy_match"]["specserve_vs_specserve_vanilla"] == 1.0
+    assert "specserve_over_specserve_vanilla" in report["ratios"]
+
+
+def test_bench_interleave_must_be_a_boolean(tiny):
+    from specserve.compose import UsageError
+    from specserve.config import validate_config
+    from specserve.errors import ConfigError
+
+    with pytest.raises(UsageError, match="bench.interleave"):  # the command line
+        compose_config([f"model.path={tiny}", "bench.interleave=sometimes"])
+    cfg = compose_config([f"model.path={tiny}"])
+    cfg.bench.interleave = "yes"  # a config built in code
+    with pytest.raises(ConfigError, match="bench.interleave"):
+        validate_config(cfg)

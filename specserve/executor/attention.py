@@ -90,6 +90,9 @@ class AttentionMetadata:
     # Set by the step runner: attention runs as ONE paged kernel over block tables
     # (all slots valid: padding tokens write to the cache's trash slot).
     kernel: PagedKernelArgs | None = None
+    # A draft head's layer runs whole in one fused CPU call (``kernels.cpu_decoder.
+    # FusedHead``) over this layout (a ``FusedStepArgs``): nothing here attends.
+    fused: object | None = None
 
 
 def build_padded_group(
@@ -173,6 +176,8 @@ def write_and_attend(
     meta: AttentionMetadata,
 ) -> Tensor:
     """Write the new K/V into their slots, then attend.  Returns (T, nh, hd)."""
+    if meta.fused is not None:
+        raise ValueError("write_and_attend: this step's metadata is for a fused head layer (FusedHead)")
     if meta.kernel is not None:
         return _kernel_attention(q, k, v, k_cache, v_cache, meta)
     k_cache.index_copy_(0, meta.slot_mapping, k)

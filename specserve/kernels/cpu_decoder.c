@@ -1058,204 +1058,220 @@ static void *scratch_alloc(size_t bytes) {
     return aligned_alloc(64, rounded ? rounded : 64);
 }
 
-/*
- * Runs the decoder stack for T tokens of B sequences.  seq_info is (B, 3)
- * int32: offset of the sequence's first token on the T axis, its number of
- * new tokens, and the number of its tokens already in the cache (so token i of
- * the sequence sits at context index start + i, its K/V goes there, and it
- * attends to keys 0..start + i).  block_tables is (B, max_blocks) int32.  The
- * new tokens' K/V are written to the cache.  out: (T, H) fp32 final-normed
- * hidden states.  aux (may be NULL): per layer, NULL or a (T, H) fp32 buffer
- * that receives the residual stream entering that layer.
- * positions (T,) int32, may be NULL: the tokens' rotary positions (default
- * start + i).  tree_base (B,) int32 and tree_masks (T,) int64, both NULL or
- * both given: a sequence with tree_base[b] < start + n verifies a draft tree
- * (tree_base <= start, span start + n - tree_base <= 64): its token t sees key
- * j < tree_base iff j <= positions[t] (and positions[t] - j < window), and key
- * j >= tree_base iff bit j - tree_base of tree_masks[t] is set.
- * Returns 0, or a negative code for a bad argument.
- */
-int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_t *seq_info,
-               const int32_t *block_tables, int max_blocks, float *out, float *const *aux, const int32_t *positions,
-               const int32_t *tree_base, const int64_t *tree_masks) {
+/* One step's plan and scratch: where each token sits (its sequence, rotary position
+   and context index), the attention tasks, and the buffers every layer reuses.
+   Filled by step_plan, freed by step_free whatever happened in between. */
+typedef struct {
+    int T, B, max_blocks, any_tree, grouped, tc, n_tasks, max_rows, nthr, max_ctx;
+    long actw;
+    size_t scr_n, ws_bytes;
+    const int32_t *seq_info, *block_tables, *tree_base;
+    const int64_t *tree_masks;
+    int32_t *tok_seq, *tok_pos, *tok_ctx, *task_seq, *task_chunk;
+    bf16 *act;
+    float *qkv, *gu, *att_scr;
+    char *att_ws;
+} ss_step;
+
+static void step_free(ss_step *s) {
+    free(s->tok_seq);
+    free(s->tok_pos);
+    free(s->tok_ctx);
+    free(s->act);
+    free(s->qkv);
+    free(s->gu);
+    free(s->att_scr);
+    free(s->att_ws);
+    free(s->task_seq);
+    free(s->task_chunk);
+}
+
+/* Checks the step's layout and allocates its scratch (the activation buffer holds
+   rows of at least in_width columns: the widest projection input).  Context indexes
+   stay below ctx_limit and inside the block tables, rotary positions inside the
+   tables.  Returns 0, -2 for a bad layout, -4 when out of memory; the caller frees
+   with step_free either way. */
+static int step_plan(const ss_model *m, ss_step *s, int T, int B, const int32_t *seq_info,
+                     const int32_t *block_tables, int max_blocks, const int32_t *positions, const int32_t *tree_base,
+                     const int64_t *tree_masks, int in_width, long ctx_limit) {
     const int H = m->hidden, I = m->inter, nh = m->n_heads, nkv = m->n_kv_heads, hd = m->head_dim;
-    const int qs = nh * hd, kvs = nkv * hd, nqkv = qs + 2 * kvs, half = hd / 2, bs = m->block_size;
+    const int qs = nh * hd, kvs = nkv * hd, nqkv = qs + 2 * kvs, bs = m->block_size;
     const int G = nh / nkv;
-    if (T <= 0 || B <= 0 || G * nkv != nh) return -1;
-
-    /* every buffer, freed once at `done` whatever the exit */
-    int rc = 0;
-    int32_t *tok_seq = NULL, *tok_pos = NULL, *tok_ctx = NULL, *task_seq = NULL, *task_chunk = NULL;
-    bf16 *act = NULL;
-    float *qkv = NULL, *gu = NULL, *att_scr = NULL;
-    char *att_ws = NULL;
-
-    tok_seq = scratch_alloc(sizeof(int32_t) * T);
-    tok_pos = scratch_alloc(sizeof(int32_t) * T);
-    tok_ctx = scratch_alloc(sizeof(int32_t) * T);
-    int max_ctx = 1, next = 0, any_tree = 0;
-    if (!tok_seq || !tok_pos || !tok_ctx) {
-        rc = -4;
-        goto done;
-    }
-    for (int t = 0; t < T; t++)
-        if (ids[t] < 0 || ids[t] >= m->vocab) {
-            rc = -3;
-            goto done;
-        }
-    if ((tree_base == NULL) != (tree_masks == NULL)) {
-        rc = -2;
-        goto done;
-    }
+    memset(s, 0, sizeof *s);
+    s->T = T;
+    s->B = B;
+    s->max_blocks = max_blocks;
+    s->seq_info = seq_info;
+    s->block_tables = block_tables;
+    s->tree_base = tree_base;
+    s->tree_masks = tree_masks;
+    s->tok_seq = scratch_alloc(sizeof(int32_t) * T);
+    s->tok_pos = scratch_alloc(sizeof(int32_t) * T);
+    s->tok_ctx = scratch_alloc(sizeof(int32_t) * T);
+    if (!s->tok_seq || !s->tok_pos || !s->tok_ctx) return -4;
+    if ((tree_base == NULL) != (tree_masks == NULL)) return -2;
+    int max_ctx = 1, next = 0;
     for (int b = 0; b < B; b++) {
         /* sequences must tile the token axis in order */
         const int t0 = seq_info[3 * b], n = seq_info[3 * b + 1], start = seq_info[3 * b + 2];
-        if (t0 != next || n <= 0 || t0 + n > T || start < 0 || start + n > m->n_positions ||
-            (start + n + bs - 1) / bs > max_blocks) {
-            rc = -2;
-            goto done;
-        }
+        if (t0 != next || n <= 0 || t0 + n > T || start < 0 || (long)start + n > ctx_limit ||
+            (start + n + bs - 1) / bs > max_blocks)
+            return -2;
         if (tree_base && tree_base[b] < start + n) {
-            if (tree_base[b] < 0 || tree_base[b] > start || start + n - tree_base[b] > 64) {
-                rc = -2;
-                goto done;
-            }
-            any_tree = 1;
+            if (tree_base[b] < 0 || tree_base[b] > start || start + n - tree_base[b] > 64) return -2;
+            s->any_tree = 1;
         }
         next += n;
         for (int i = 0; i < n; i++) {
             const int p = positions ? positions[t0 + i] : start + i;
-            if (p < 0 || p >= m->n_positions) {
-                rc = -2;
-                goto done;
-            }
-            tok_seq[t0 + i] = b;
-            tok_ctx[t0 + i] = start + i;
-            tok_pos[t0 + i] = p;
+            if (p < 0 || p >= m->n_positions) return -2;
+            s->tok_seq[t0 + i] = b;
+            s->tok_ctx[t0 + i] = start + i;
+            s->tok_pos[t0 + i] = p;
         }
         if (start + n > max_ctx) max_ctx = start + n;
     }
-    if (next != T) {
-        rc = -2;
-        goto done;
-    }
+    if (next != T) return -2;
+    s->max_ctx = max_ctx;
     /* one bf16 activation buffer, rows padded for AMX (pads are zeroed by each writer) */
     long actw = amx_kp(H) > amx_kp(qs) ? amx_kp(H) : amx_kp(qs);
     actw = actw > amx_kp(I) ? actw : amx_kp(I);
+    actw = actw > amx_kp(in_width) ? actw : amx_kp(in_width);
+    s->actw = actw;
     const long Tp = (T + 31) / 32 * 32; /* AMX reads whole 32-row blocks */
-    act = scratch_alloc(sizeof(bf16) * (size_t)Tp * actw);
-    if (act) memset(act, 0, sizeof(bf16) * (size_t)Tp * actw);
-    qkv = scratch_alloc(sizeof(float) * (size_t)T * nqkv);
-    gu = scratch_alloc(sizeof(float) * (size_t)T * 2 * I);
-    const int nthr = omp_get_max_threads();
+    s->act = scratch_alloc(sizeof(bf16) * (size_t)Tp * actw);
+    if (s->act) memset(s->act, 0, sizeof(bf16) * (size_t)Tp * actw);
+    s->qkv = scratch_alloc(sizeof(float) * (size_t)T * nqkv);
+    s->gu = scratch_alloc(sizeof(float) * (size_t)T * 2 * I);
+    s->nthr = omp_get_max_threads();
     /* grouped attention (attend_group_hd) for head_dim 64 / 128, else one task
        per (token, head) with attend_one */
-    const int grouped = hd == 64 || hd == 128;
+    s->grouped = hd == 64 || hd == 128;
     /* per thread: scores (max_ctx), acc (hd) and, for tree rows, their key list (max_ctx) */
-    const size_t scr_n = (size_t)max_ctx * (any_tree ? 2 : 1) + hd + 16;
-    if (!grouped) att_scr = scratch_alloc(sizeof(float) * (size_t)nthr * scr_n);
+    s->scr_n = (size_t)max_ctx * (s->any_tree ? 2 : 1) + hd + 16;
+    if (!s->grouped) s->att_scr = scratch_alloc(sizeof(float) * (size_t)s->nthr * s->scr_n);
     /* grouped attention tasks: rows of one (sequence, kv head) go in chunks of
        tc tokens (about 48 query rows), so that prefill spreads over threads and
-       the per-thread workspace stays bounded */
-    const int tc = G >= 48 ? 1 : 48 / G;
+       the per-thread workspace stays bounded.  A small step (a verification, a
+       draft tree's frontier) whose (sequence, kv head) groups are fewer than two
+       per thread splits its tokens further, so the threads share the work evenly:
+       a row's result does not depend on the rows it is grouped with. */
+    int tc = G >= 48 ? 1 : 48 / G, max_n = 1;
+    for (int b = 0; b < B; b++) max_n = seq_info[3 * b + 1] > max_n ? seq_info[3 * b + 1] : max_n;
+    if ((long)B * nkv < 2L * s->nthr) {
+        const int chunks = (int)((2L * s->nthr + (long)B * nkv - 1) / ((long)B * nkv));
+        const int even = (max_n + chunks - 1) / chunks;
+        tc = even < tc ? (even > 0 ? even : 1) : tc;
+    }
+    s->tc = tc;
     int n_tasks = 0;
-    for (int b = 0; b < B && grouped; b++) n_tasks += (seq_info[3 * b + 1] + tc - 1) / tc * nkv;
-    if (grouped) {
-        task_seq = scratch_alloc(sizeof(int32_t) * n_tasks);
-        task_chunk = scratch_alloc(sizeof(int32_t) * n_tasks);
+    for (int b = 0; b < B && s->grouped; b++) n_tasks += (seq_info[3 * b + 1] + tc - 1) / tc * nkv;
+    if (s->grouped) {
+        s->task_seq = scratch_alloc(sizeof(int32_t) * (n_tasks ? n_tasks : 1));
+        s->task_chunk = scratch_alloc(sizeof(int32_t) * (n_tasks ? n_tasks : 1));
     }
     n_tasks = 0;
-    for (int b = 0; b < B && task_seq && task_chunk; b++)
+    for (int b = 0; b < B && s->task_seq && s->task_chunk; b++)
         for (int c = 0; c < (seq_info[3 * b + 1] + tc - 1) / tc; c++)
             for (int g = 0; g < nkv; g++) {
-                task_seq[n_tasks] = b * nkv + g;
-                task_chunk[n_tasks++] = c;
+                s->task_seq[n_tasks] = b * nkv + g;
+                s->task_chunk[n_tasks++] = c;
             }
-    const int max_rows = tc * G, ctx_pad = (max_ctx + 15) & ~15;
-    const size_t ws_bytes =
-        ((size_t)max_rows * (2 * sizeof(void *) + 4 * sizeof(int) + sizeof(int64_t)) + sizeof(long) * ctx_pad + 64 +
-         sizeof(uint32_t) * (16 * (hd / 2) + (max_rows + 4) * SS_QB_WORDS(hd)) + 64 +
-         sizeof(float) * (size_t)max_rows * ctx_pad + 63) &
+    s->n_tasks = n_tasks;
+    s->max_rows = tc * G;
+    const int ctx_pad = (max_ctx + 15) & ~15;
+    s->ws_bytes =
+        ((size_t)s->max_rows * (2 * sizeof(void *) + 4 * sizeof(int) + sizeof(int64_t)) + sizeof(long) * ctx_pad + 64 +
+         sizeof(uint32_t) * (16 * (hd / 2) + (s->max_rows + 4) * SS_QB_WORDS(hd)) + 64 +
+         sizeof(float) * (size_t)s->max_rows * ctx_pad + 63) &
         ~(size_t)63;
-    if (grouped) att_ws = scratch_alloc(ws_bytes * nthr);
-    if (!act || !qkv || !gu || (grouped ? !att_ws || !task_seq || !task_chunk : !att_scr)) {
-        rc = -4;
-        goto done;
-    }
-    float *x = out;
+    if (s->grouped) s->att_ws = scratch_alloc(s->ws_bytes * s->nthr);
+    if (!s->act || !s->qkv || !s->gu || (s->grouped ? !s->att_ws || !s->task_seq || !s->task_chunk : !s->att_scr))
+        return -4;
+    return 0;
+}
 
-    for (int t = 0; t < T; t++) {
-        const bf16 *e = m->embed + ids[t] * (long)H;
-        for (int i = 0; i < H; i++) x[(long)t * H + i] = bf16_to_f32(e[i]);
-    }
+/* One decoder layer over the step: s->act holds its attention input (T rows of
+   in_width bf16 columns, zero-padded to 32: the input norm already applied), x (T, H)
+   fp32 its residual stream, which leaves holding the layer's output.  q/k/v, rotary,
+   the K/V cache write, attention (trees included), o, the MLP. */
+static void layer_run(const ss_model *m, const ss_layer *L, ss_step *s, int in_width, float *x) {
+    const int H = m->hidden, I = m->inter, nh = m->n_heads, nkv = m->n_kv_heads, hd = m->head_dim;
+    const int qs = nh * hd, kvs = nkv * hd, nqkv = qs + 2 * kvs, half = hd / 2, bs = m->block_size;
+    const int G = nh / nkv, T = s->T, tc = s->tc, max_rows = s->max_rows, max_ctx = s->max_ctx;
+    const int max_blocks = s->max_blocks, ctx_pad = (max_ctx + 15) & ~15;
+    const long actw = s->actw;
+    const size_t ws_bytes = s->ws_bytes, scr_n = s->scr_n;
+    const int32_t *seq_info = s->seq_info, *block_tables = s->block_tables, *tree_base = s->tree_base;
+    const int64_t *tree_masks = s->tree_masks;
+    const int32_t *tok_seq = s->tok_seq, *tok_pos = s->tok_pos, *tok_ctx = s->tok_ctx;
+    const int32_t *task_seq = s->task_seq, *task_chunk = s->task_chunk;
+    bf16 *act = s->act;
+    float *qkv = s->qkv, *gu = s->gu, *att_scr = s->att_scr;
+    char *att_ws = s->att_ws;
 
-    for (int l = 0; l < m->n_layers; l++) {
-        const ss_layer *L = &m->layers[l];
-        if (aux && aux[l]) memcpy(aux[l], x, sizeof(float) * (size_t)T * H);
+    matmul(act, T, actw, L->wqkv, L->wqkv_p, nqkv, in_width, L->bqkv, qkv, nqkv, 0);
 
-        rmsnorm_rows_bf16(x, L->ln1, act, actw, T, H, m->eps);
-        matmul(act, T, actw, L->wqkv, L->wqkv_p, nqkv, H, L->bqkv, qkv, nqkv, 0);
-
-        /* q/k norm (Qwen3), rotary, and the K/V cache write */
+    /* q/k norm (Qwen3), rotary, and the K/V cache write */
 #pragma omp parallel for schedule(static) if (T >= 8)
-        for (int t = 0; t < T; t++) {
-            float *row = qkv + (long)t * nqkv;
-            const int pos = tok_pos[t], ctx = tok_ctx[t];
-            const float *c = m->cos + (long)pos * half, *s = m->sin + (long)pos * half;
-            for (int h = 0; h < nh + nkv; h++) {
-                float *v = row + h * hd;
-                if (L->qnorm) rmsnorm_inplace(v, h < nh ? L->qnorm : L->knorm, hd, m->eps);
-                rotate(v, c, s, half);
-            }
-            const int32_t *bt = block_tables + (long)tok_seq[t] * max_blocks;
-            const long slot = (long)bt[ctx / bs] * bs + ctx % bs;
-            f32_row_to_bf16(row + qs, L->kcache + slot * kvs, kvs);
-            f32_row_to_bf16(row + qs + kvs, L->vcache + slot * kvs, kvs);
+    for (int t = 0; t < T; t++) {
+        float *row = qkv + (long)t * nqkv;
+        const int pos = tok_pos[t], ctx = tok_ctx[t];
+        const float *c = m->cos + (long)pos * half, *sn = m->sin + (long)pos * half;
+        for (int h = 0; h < nh + nkv; h++) {
+            float *v = row + h * hd;
+            if (L->qnorm) rmsnorm_inplace(v, h < nh ? L->qnorm : L->knorm, hd, m->eps);
+            rotate(v, c, sn, half);
         }
+        const int32_t *bt = block_tables + (long)tok_seq[t] * max_blocks;
+        const long slot = (long)bt[ctx / bs] * bs + ctx % bs;
+        f32_row_to_bf16(row + qs, L->kcache + slot * kvs, kvs);
+        f32_row_to_bf16(row + qs + kvs, L->vcache + slot * kvs, kvs);
+    }
 
-        if (grouped) {
-            /* attention: one task per (sequence, kv head, chunk of up to tc tokens) */
+    if (s->grouped) {
+        /* attention: one task per (sequence, kv head, chunk of up to tc tokens) */
 #pragma omp parallel for schedule(dynamic, 1)
-            for (int task = 0; task < n_tasks; task++) {
-                const int b = task_seq[task] / nkv, g = task_seq[task] % nkv, c0 = task_chunk[task] * tc;
-                const int n = seq_info[3 * b + 1] - c0 < tc ? seq_info[3 * b + 1] - c0 : tc;
-                const int t0 = seq_info[3 * b] + c0, start = seq_info[3 * b + 2] + c0;
-                const int R = n * G;
-                char *w = att_ws + (size_t)omp_get_thread_num() * ws_bytes;
-                const float **qp = (const float **)w;
-                bf16 **op = (bf16 **)(qp + max_rows);
-                int *lo = (int *)(op + max_rows), *hi = lo + max_rows;
-                long *slots = (long *)(hi + max_rows);
-                int64_t *tbits = (int64_t *)(slots + ctx_pad);
-                int *tvpos = (int *)(tbits + max_rows), *twlo = tvpos + max_rows;
-                uint32_t *kt = (uint32_t *)(((uintptr_t)(twlo + max_rows) + 63) & ~(uintptr_t)63);
-                uint32_t *qb = kt + (hd / 2) * 16;
-                float *S = (float *)(((uintptr_t)(qb + (max_rows + 4) * SS_QB_WORDS(hd)) + 63) & ~(uintptr_t)63);
-                const int tb = tree_base ? tree_base[b] : 0;
-                const int is_tree = tree_base && tb < seq_info[3 * b + 2] + seq_info[3 * b + 1];
-                for (int r = 0; r < R; r++) {
-                    const int i = r / G, h = g * G + r % G, t = t0 + i;
-                    qp[r] = qkv + (long)t * nqkv + h * hd;
-                    op[r] = act + (long)t * actw + h * hd;
-                    hi[r] = start + i;
-                    lo[r] = m->window > 0 && hi[r] - m->window + 1 > 0 ? hi[r] - m->window + 1 : 0;
-                    if (is_tree) { /* keys before the tree by rotary position; tree keys are not windowed */
-                        tvpos[r] = tok_pos[t];
-                        twlo[r] = m->window > 0 && tvpos[r] - m->window + 1 > 0 ? tvpos[r] - m->window + 1 : 0;
-                        tbits[r] = tree_masks[t];
-                        lo[r] = twlo[r] < tb ? twlo[r] : tb;
-                    }
+        for (int task = 0; task < s->n_tasks; task++) {
+            const int b = task_seq[task] / nkv, g = task_seq[task] % nkv, c0 = task_chunk[task] * tc;
+            const int n = seq_info[3 * b + 1] - c0 < tc ? seq_info[3 * b + 1] - c0 : tc;
+            const int t0 = seq_info[3 * b] + c0, start = seq_info[3 * b + 2] + c0;
+            const int R = n * G;
+            char *w = att_ws + (size_t)omp_get_thread_num() * ws_bytes;
+            const float **qp = (const float **)w;
+            bf16 **op = (bf16 **)(qp + max_rows);
+            int *lo = (int *)(op + max_rows), *hi = lo + max_rows;
+            long *slots = (long *)(hi + max_rows);
+            int64_t *tbits = (int64_t *)(slots + ctx_pad);
+            int *tvpos = (int *)(tbits + max_rows), *twlo = tvpos + max_rows;
+            uint32_t *kt = (uint32_t *)(((uintptr_t)(twlo + max_rows) + 63) & ~(uintptr_t)63);
+            uint32_t *qb = kt + (hd / 2) * 16;
+            float *S = (float *)(((uintptr_t)(qb + (max_rows + 4) * SS_QB_WORDS(hd)) + 63) & ~(uintptr_t)63);
+            const int tb = tree_base ? tree_base[b] : 0;
+            const int is_tree = tree_base && tb < seq_info[3 * b + 2] + seq_info[3 * b + 1];
+            for (int r = 0; r < R; r++) {
+                const int i = r / G, h = g * G + r % G, t = t0 + i;
+                qp[r] = qkv + (long)t * nqkv + h * hd;
+                op[r] = act + (long)t * actw + h * hd;
+                hi[r] = start + i;
+                lo[r] = m->window > 0 && hi[r] - m->window + 1 > 0 ? hi[r] - m->window + 1 : 0;
+                if (is_tree) { /* keys before the tree by rotary position; tree keys are not windowed */
+                    tvpos[r] = tok_pos[t];
+                    twlo[r] = m->window > 0 && tvpos[r] - m->window + 1 > 0 ? tvpos[r] - m->window + 1 : 0;
+                    tbits[r] = tree_masks[t];
+                    lo[r] = twlo[r] < tb ? twlo[r] : tb;
                 }
-                const ss_tree tree = {tb, tvpos, twlo, tbits};
-                const int32_t *bt = block_tables + (long)b * max_blocks;
-                if (hd == 64)
-                    attend_group_hd(64, 6, R, qp, lo, hi, L->kcache, L->vcache, kvs, g, bt, bs, m->scale, S, qb, kt,
-                                    slots, op, is_tree ? &tree : NULL);
-                else
-                    attend_group_hd(128, 3, R, qp, lo, hi, L->kcache, L->vcache, kvs, g, bt, bs, m->scale, S, qb,
-                                    kt, slots, op, is_tree ? &tree : NULL);
             }
-        } else {
+            const ss_tree tree = {tb, tvpos, twlo, tbits};
+            const int32_t *bt = block_tables + (long)b * max_blocks;
+            if (hd == 64)
+                attend_group_hd(64, 6, R, qp, lo, hi, L->kcache, L->vcache, kvs, g, bt, bs, m->scale, S, qb, kt,
+                                slots, op, is_tree ? &tree : NULL);
+            else
+                attend_group_hd(128, 3, R, qp, lo, hi, L->kcache, L->vcache, kvs, g, bt, bs, m->scale, S, qb, kt,
+                                slots, op, is_tree ? &tree : NULL);
+        }
+    } else {
         /* attention: one task per (token, head) */
 #pragma omp parallel for schedule(dynamic, 4)
         for (int task = 0; task < T * nh; task++) {
@@ -1276,57 +1292,188 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
             attend_one(qkv + (long)t * nqkv + h * hd, L->kcache, L->vcache, kvs, h / G, hd, bt, bs, lo, ctx,
                        m->scale, scr, scr + max_ctx, act + (long)t * actw + h * hd);
         }
-        }
-        for (int t = 0; t < T; t++)
-            for (long i = qs; i < amx_kp(qs); i++) act[t * actw + i] = 0;
-        matmul(act, T, actw, L->wo, L->wo_p, H, qs, NULL, x, H, 1);
-
-        rmsnorm_rows_bf16(x, L->ln2, act, actw, T, H, m->eps);
-        matmul(act, T, actw, L->wgu, L->wgu_p, 2 * I, H, NULL, gu, 2 * I, 0);
-#pragma omp parallel for schedule(static) if (T >= 4)
-        for (int t = 0; t < T; t++) {
-            const float *g = gu + (long)t * 2 * I, *u = g + I;
-            bf16 *a = act + (long)t * actw;
-            int i = 0;
-#ifdef SS_AVX512
-            for (; i + 16 <= I; i += 16) {
-                __m512 gv = _mm512_loadu_ps(g + i);
-                __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                           _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-                __m512 r = _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i));
-                _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(r));
-            }
-#else
-            for (; i + 8 <= I; i += 8) {
-                __m256 gv = _mm256_loadu_ps(g + i);
-                __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f),
-                                           _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-                __m256 r = _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i));
-                _mm_storeu_si128((__m128i *)(a + i), cvt_f32x8_bf16(r));
-            }
-#endif
-            for (; i < I; i++) {
-                float gs = g[i] / (1.0f + exp_scalar(-g[i]));
-                a[i] = f32_to_bf16(gs * u[i]);
-            }
-            for (long j = I; j < amx_kp(I); j++) a[j] = 0;
-        }
-        matmul(act, T, actw, L->wdown, L->wdown_p, H, I, NULL, x, H, 1);
     }
-    for (int t = 0; t < T; t++) rmsnorm_inplace(x + (long)t * H, m->final_norm, H, m->eps);
+    for (int t = 0; t < T; t++)
+        for (long i = qs; i < amx_kp(qs); i++) act[t * actw + i] = 0;
+    matmul(act, T, actw, L->wo, L->wo_p, H, qs, NULL, x, H, 1);
 
-done:
-    free(tok_seq);
-    free(tok_pos);
-    free(tok_ctx);
-    free(act);
-    free(qkv);
-    free(gu);
-    free(att_scr);
-    free(att_ws);
-    free(task_seq);
-    free(task_chunk);
+    rmsnorm_rows_bf16(x, L->ln2, act, actw, T, H, m->eps);
+    matmul(act, T, actw, L->wgu, L->wgu_p, 2 * I, H, NULL, gu, 2 * I, 0);
+#pragma omp parallel for schedule(static) if (T >= 4)
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (long)t * 2 * I, *u = g + I;
+        bf16 *a = act + (long)t * actw;
+        int i = 0;
+#ifdef SS_AVX512
+        for (; i + 16 <= I; i += 16) {
+            __m512 gv = _mm512_loadu_ps(g + i);
+            __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                       _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            __m512 r = _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i));
+            _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(r));
+        }
+#else
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                       _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            __m256 r = _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i));
+            _mm_storeu_si128((__m128i *)(a + i), cvt_f32x8_bf16(r));
+        }
+#endif
+        for (; i < I; i++) {
+            float gs = g[i] / (1.0f + exp_scalar(-g[i]));
+            a[i] = f32_to_bf16(gs * u[i]);
+        }
+        for (long j = I; j < amx_kp(I); j++) a[j] = 0;
+    }
+    matmul(act, T, actw, L->wdown, L->wdown_p, H, I, NULL, x, H, 1);
+}
+
+/*
+ * Runs the decoder stack for T tokens of B sequences.  seq_info is (B, 3)
+ * int32: offset of the sequence's first token on the T axis, its number of
+ * new tokens, and the number of its tokens already in the cache (so token i of
+ * the sequence sits at context index start + i, its K/V goes there, and it
+ * attends to keys 0..start + i).  block_tables is (B, max_blocks) int32.  The
+ * new tokens' K/V are written to the cache.  out: (T, H) fp32 final-normed
+ * hidden states.  aux (may be NULL): per layer, NULL or a (T, H) fp32 buffer
+ * that receives the residual stream entering that layer.
+ * positions (T,) int32, may be NULL: the tokens' rotary positions (default
+ * start + i).  tree_base (B,) int32 and tree_masks (T,) int64, both NULL or
+ * both given: a sequence with tree_base[b] < start + n verifies a draft tree
+ * (tree_base <= start, span start + n - tree_base <= 64): its token t sees key
+ * j < tree_base iff j <= positions[t] (and positions[t] - j < window), and key
+ * j >= tree_base iff bit j - tree_base of tree_masks[t] is set.
+ * Returns 0, or a negative code for a bad argument.
+ */
+int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_t *seq_info,
+               const int32_t *block_tables, int max_blocks, float *out, float *const *aux, const int32_t *positions,
+               const int32_t *tree_base, const int64_t *tree_masks) {
+    const int H = m->hidden;
+    if (T <= 0 || B <= 0 || (m->n_heads / m->n_kv_heads) * m->n_kv_heads != m->n_heads) return -1;
+    for (int t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= m->vocab) return -3;
+    ss_step s;
+    int rc = step_plan(m, &s, T, B, seq_info, block_tables, max_blocks, positions, tree_base, tree_masks, H,
+                       m->n_positions);
+    if (rc == 0) {
+        float *x = out;
+        for (int t = 0; t < T; t++) {
+            const bf16 *e = m->embed + ids[t] * (long)H;
+            for (int i = 0; i < H; i++) x[(long)t * H + i] = bf16_to_f32(e[i]);
+        }
+        for (int l = 0; l < m->n_layers; l++) {
+            const ss_layer *L = &m->layers[l];
+            if (aux && aux[l]) memcpy(aux[l], x, sizeof(float) * (size_t)T * H);
+            rmsnorm_rows_bf16(x, L->ln1, s.act, s.actw, T, H, m->eps);
+            layer_run(m, L, &s, H, x);
+        }
+        for (int t = 0; t < T; t++) rmsnorm_inplace(x + (long)t * H, m->final_norm, H, m->eps);
+    }
+    step_free(&s);
     return rc;
+}
+
+/*
+ * One decoder layer (m->layers[0]) whose attention input is given: a draft head's
+ * layer (EAGLE's), whose q/k/v read something other than the normed residual
+ * stream (EAGLE-3: the normed embedding beside the normed features, 2H wide).
+ * xin (T, in_width) bf16: the attention input as q/k/v read it; x (T, H) fp32:
+ * the residual stream in, the layer's output (before any final norm) out.  The
+ * sequence layout, positions and trees are ss_forward's; the new K/V go to the
+ * layer's cache.  Returns 0, or ss_forward's negative codes.
+ */
+int ss_head_layer(const ss_model *m, int in_width, int T, const bf16 *xin, float *x, int B, const int32_t *seq_info,
+                  const int32_t *block_tables, int max_blocks, const int32_t *positions, const int32_t *tree_base,
+                  const int64_t *tree_masks) {
+    if (T <= 0 || B <= 0 || in_width <= 0 || m->n_layers < 1 ||
+        (m->n_heads / m->n_kv_heads) * m->n_kv_heads != m->n_heads)
+        return -1;
+    ss_step s;
+    /* a head stores draft-tree nodes past the last position its rotary tables cover:
+       only the block tables bound its context indexes */
+    int rc = step_plan(m, &s, T, B, seq_info, block_tables, max_blocks, positions, tree_base, tree_masks, in_width,
+                       (long)max_blocks * m->block_size);
+    if (rc == 0) {
+        for (int t = 0; t < T; t++) {
+            bf16 *a = s.act + (long)t * s.actw;
+            memcpy(a, xin + (long)t * in_width, sizeof(bf16) * (size_t)in_width);
+            for (long i = in_width; i < amx_kp(in_width); i++) a[i] = 0; /* AMX reads K padded to 32 */
+        }
+        layer_run(m, &m->layers[0], &s, in_width, x);
+    }
+    step_free(&s);
+    return rc;
+}
+
+/* dst (bf16, n) = rmsnorm(src) * w for one fp32 row (no padding written). */
+static void rmsnorm_row_bf16(const float *src, const float *w, bf16 *dst, int n, float eps) {
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)src[i] * src[i];
+    const float inv = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i] * inv * w[i]);
+}
+
+/*
+ * An EAGLE-3 head step: ss_head_layer with the attention input built here.  Row t's
+ * q/k/v read [rmsnorm(embed[ids[t]]) * ln_in, rmsnorm(g[t]) * hnorm] (2H wide, bf16)
+ * and its residual is g[t] (the normed g with norm_before_residual).  embed (vocab,
+ * H) bf16: the token embeddings; g (T, H) bf16: the head's hidden input.  x (T, H)
+ * fp32 receives the layer's output (before the final norm).  Returns 0, -3 for a
+ * token outside the vocabulary, or ss_forward's other negative codes.
+ */
+int ss_eagle3_layer(const ss_model *m, int T, const int64_t *ids, const bf16 *embed, int vocab, const float *ln_in,
+                    const float *hnorm, int norm_before_residual, const bf16 *g, float *x, int B,
+                    const int32_t *seq_info, const int32_t *block_tables, int max_blocks, const int32_t *positions,
+                    const int32_t *tree_base, const int64_t *tree_masks) {
+    const int H = m->hidden;
+    if (T <= 0 || B <= 0 || m->n_layers < 1 || (m->n_heads / m->n_kv_heads) * m->n_kv_heads != m->n_heads) return -1;
+    for (int t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= vocab) return -3;
+    ss_step s;
+    int rc = step_plan(m, &s, T, B, seq_info, block_tables, max_blocks, positions, tree_base, tree_masks, 2 * H,
+                       (long)max_blocks * m->block_size);
+    float *e = rc == 0 ? scratch_alloc(sizeof(float) * (size_t)H) : NULL;
+    if (rc == 0 && !e) rc = -4;
+    if (rc == 0) {
+        for (int t = 0; t < T; t++) {
+            bf16 *a = s.act + (long)t * s.actw;
+            float *xr = x + (long)t * H;
+            const bf16 *er = embed + ids[t] * (long)H, *gr = g + (long)t * H;
+            for (int i = 0; i < H; i++) e[i] = bf16_to_f32(er[i]);
+            rmsnorm_row_bf16(e, ln_in, a, H, m->eps);
+            for (int i = 0; i < H; i++) xr[i] = bf16_to_f32(gr[i]);
+            rmsnorm_row_bf16(xr, hnorm, a + H, H, m->eps);
+            if (norm_before_residual)
+                for (int i = 0; i < H; i++) xr[i] = bf16_to_f32(a[H + i]);
+            for (long i = 2 * H; i < amx_kp(2 * H); i++) a[i] = 0; /* AMX reads K padded to 32 */
+        }
+        layer_run(m, &m->layers[0], &s, 2 * H, x);
+    }
+    free(e);
+    step_free(&s);
+    return rc;
+}
+
+/* A head's logits (N, vocab) fp32 = bf16(rmsnorm(x) * final_norm) (N, H) @ lm_head^T
+   (no norm where final_norm is NULL). */
+int ss_norm_logits(const ss_model *m, const float *x, int N, float *logits) {
+    if (N <= 0) return 0;
+    const int H = m->hidden;
+    const long ld = amx_kp(H);
+    bf16 *hb = scratch_alloc(sizeof(bf16) * ((size_t)(N + 31) / 32 * 32) * ld);
+    if (!hb) return -4;
+    memset(hb, 0, sizeof(bf16) * ((size_t)(N + 31) / 32 * 32) * ld);
+    for (int t = 0; t < N; t++) {
+        if (m->final_norm)
+            rmsnorm_row_bf16(x + (long)t * H, m->final_norm, hb + t * ld, H, m->eps);
+        else
+            f32_row_to_bf16(x + (long)t * H, hb + t * ld, H);
+    }
+    matmul(hb, N, ld, m->lm_head, m->lm_head_p, m->vocab, H, NULL, logits, m->vocab, 0);
+    free(hb);
+    return 0;
 }
 
 /* logits (N, V) fp32 = bf16(hidden) (N, H) @ lm_head^T. */
@@ -1363,7 +1510,7 @@ int ss_set_num_threads(int n) {
     return omp_get_max_threads();
 }
 
-int ss_abi_version(void) { return 4; }
+int ss_abi_version(void) { return 5; }
 
 /* Which build this is (the Python side logs it). */
 const char *ss_isa(void) {

@@ -11,8 +11,11 @@ the caller keeps the torch path.
 
 ``CpuDecoder`` wraps a bf16 ``LlamaModel`` and its ``KVCache``: ``forward``
 runs the whole decoder stack for a flattened ragged batch in one C call and
-``logits`` is the LM head.  Torch tensors stay the owners of all memory; the
-C side only sees their data pointers.
+``logits`` is the LM head.  ``FusedHead`` runs a draft head's one decoder layer
+(an EAGLE head's) the same way (``ss_head_layer``; EAGLE-3's input built in the
+call, ``ss_eagle3_layer``) and its norm and LM head (``ss_norm_logits``);
+``FusedStepArgs`` is a step's layout as these calls read it.  Torch
+tensors stay the owners of all memory; the C side only sees their data pointers.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,7 +46,7 @@ from specserve.kernels.cpu_features import (
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 class KernelUnavailable(RuntimeError):
@@ -97,6 +101,9 @@ def load_library(cache_dir: Path, isa: str | None = None) -> ctypes.CDLL:
     P, I32 = ctypes.c_void_p, ctypes.c_int
     for name, args, res in [
         ("ss_forward", [P, I32, P, I32, P, P, I32, P, P, P, P, P], I32),
+        ("ss_head_layer", [P, I32, I32, P, P, I32, P, P, I32, P, P, P], I32),
+        ("ss_eagle3_layer", [P, I32, P, P, I32, P, P, I32, P, P, I32, P, P, I32, P, P, P], I32),
+        ("ss_norm_logits", [P, P, I32, P], I32),
         ("ss_logits", [P, P, I32, P], I32),
         ("ss_matmul", [P, I32, P, P, I32, I32, P, P], I32),
         ("ss_pack_amx", [P, I32, I32, P], I32),
@@ -220,6 +227,103 @@ def fuse_linears(module: torch.nn.Module, lib: ctypes.CDLL, fp32_out: Sequence[s
     return n
 
 
+@dataclass
+class FusedStepArgs:
+    """A step's layout as the fused kernels read it: per sequence (offset on the token
+    axis, new tokens, tokens already cached) and its block table (padded to one width),
+    the tokens' rotary positions, and the draft-tree fields of ``executor.batch`` (both
+    None without trees)."""
+
+    info: Tensor  # (B, 3) int32
+    tables: Tensor  # (B, width) int32
+    positions: Tensor | None  # (T,) int32, None: start + i
+    tree_base: Tensor | None  # (B,) int32
+    tree_masks: Tensor | None  # (T,) int64
+    num_tokens: int
+
+    @classmethod
+    def build(cls, seqs: Sequence[tuple[int, int, int]], block_tables: Sequence[Sequence[int]],
+              positions: Sequence[int] | None = None, tree_base: Sequence[int] | None = None,
+              tree_masks: Sequence[int] | None = None) -> "FusedStepArgs":
+        width = max(len(bt) for bt in block_tables) or 1
+        return cls(
+            info=torch.tensor(seqs, dtype=torch.int32).view(len(seqs), 3),
+            tables=torch.tensor([[*bt, *[0] * (width - len(bt))] for bt in block_tables], dtype=torch.int32),
+            positions=None if positions is None else torch.tensor(positions, dtype=torch.int32),
+            tree_base=None if tree_base is None else torch.tensor(tree_base, dtype=torch.int32),
+            tree_masks=None if tree_masks is None else torch.tensor(int64_masks(list(tree_masks)), dtype=torch.int64),
+            num_tokens=sum(n for _, n, _ in seqs),
+        )
+
+    @classmethod
+    def from_batch(cls, batch: Any) -> "FusedStepArgs":
+        """From a ``StepBatch`` (its positions, trees and block tables as they are)."""
+        qs = batch.query_start
+        seqs = [(qs[b], qs[b + 1] - qs[b], batch.seq_lens[b] - (qs[b + 1] - qs[b])) for b in range(batch.num_seqs)]
+        return cls.build(seqs, batch.block_tables, batch.positions, batch.tree_base, batch.tree_masks)
+
+    def pointers(self) -> tuple:
+        """(seq info, tables, width, positions, tree base, tree masks) for a C call."""
+        return (_ptr(self.info), _ptr(self.tables), self.tables.shape[1], _ptr(self.positions),
+                _ptr(self.tree_base), _ptr(self.tree_masks))
+
+
+def _check_rc(rc: int) -> None:
+    if rc == -4:
+        raise MemoryError("fused CPU decoder: out of memory for this step's buffers")
+    if rc != 0:
+        what = {-1: "model shape", -2: "sequence layout or block tables", -3: "a token id outside the vocabulary"}
+        raise ValueError(f"fused CPU decoder rejected its inputs: {what.get(rc, rc)}")
+
+
+class _Owned:
+    """Keeps every tensor the C side points into alive, in the layouts it reads."""
+
+    def __init__(self, lib: ctypes.CDLL, use_amx: bool):
+        self.lib, self.use_amx = lib, use_amx
+        self.keep: list[Tensor] = []
+
+    def bf16(self, t: Tensor) -> Tensor:
+        t = t.detach().to(torch.bfloat16).contiguous()
+        self.keep.append(t)
+        return t
+
+    def packed(self, t: Tensor, lin: Any = None) -> int | None:
+        """``t`` packed for AMX (None without AMX); a ``FusedLinear`` ``lin`` of the same
+        weight lends its packed copy."""
+        if not self.use_amx:
+            return None
+        p = getattr(lin, "packed", None)
+        if p is None:
+            p = pack_amx(self.lib, t)
+        self.keep.append(p)
+        return p.data_ptr()
+
+    def f32(self, t: Tensor | None) -> int | None:
+        if t is None:
+            return None
+        t = t.detach().float().contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def layer(self, layer: Any, k_cache: Tensor, v_cache: Tensor, input_norm: Any, qk_norm: bool) -> "_Layer":
+        """A decoder layer's ``_Layer`` (q/k/v and gate/up fused, as ``llama.DecoderLayer``
+        and ``eagle.HeadLayer`` hold them) over its cache layer."""
+        wqkv, wo = self.bf16(_weight(layer.qkv_proj)), self.bf16(_weight(layer.o_proj))
+        wgu, wdown = self.bf16(_weight(layer.gate_up_proj)), self.bf16(_weight(layer.down_proj))
+        return _Layer(
+            wqkv=wqkv.data_ptr(), bqkv=self.f32(_bias(layer.qkv_proj)),
+            ln1=self.f32(input_norm.weight) if input_norm is not None else None,
+            ln2=self.f32(layer.post_attention_layernorm.weight),
+            qnorm=self.f32(layer.q_norm.weight) if qk_norm else None,
+            knorm=self.f32(layer.k_norm.weight) if qk_norm else None,
+            wo=wo.data_ptr(), wgu=wgu.data_ptr(), wdown=wdown.data_ptr(),
+            kcache=k_cache.data_ptr(), vcache=v_cache.data_ptr(),
+            wqkv_p=self.packed(wqkv, layer.qkv_proj), wo_p=self.packed(wo, layer.o_proj),
+            wgu_p=self.packed(wgu, layer.gate_up_proj), wdown_p=self.packed(wdown, layer.down_proj),
+        )  # fmt: skip
+
+
 class CpuDecoder:
     """The fused decoder for one bf16 ``LlamaModel`` and its KV cache."""
 
@@ -236,52 +340,13 @@ class CpuDecoder:
         # projections; without it, the AVX512-BF16 (or AVX2) GEMV reads the torch
         # weights.  The AVX2 build has no AMX (ss_amx_init fails there).
         self.use_amx = amx_usable(lib) if use_amx is None else use_amx
-        keep: list[Tensor] = []  # owns every buffer the C side points into
-
-        def bf16(t: Tensor) -> Tensor:
-            t = t.detach().to(torch.bfloat16).contiguous()
-            keep.append(t)
-            return t
-
-        def packed(t: Tensor) -> int | None:
-            if not self.use_amx:
-                return None
-            p = pack_amx(lib, t)
-            keep.append(p)
-            return p.data_ptr()
-
-        def f32(t: Tensor | None) -> int | None:
-            if t is None:
-                return None
-            t = t.detach().float().contiguous()
-            keep.append(t)
-            return t.data_ptr()
-
+        own = _Owned(lib, self.use_amx)  # owns every buffer the C side points into
         self._layers = (_Layer * a.num_layers)()
         for i, layer in enumerate(model.layers):
-            k_cache, v_cache = kv.layer(i)
-            wqkv, wo = bf16(_weight(layer.qkv_proj)), bf16(_weight(layer.o_proj))
-            wgu, wdown = bf16(_weight(layer.gate_up_proj)), bf16(_weight(layer.down_proj))
-            self._layers[i] = _Layer(
-                wqkv=wqkv.data_ptr(),
-                bqkv=f32(_bias(layer.qkv_proj)),
-                ln1=f32(layer.input_layernorm.weight),
-                ln2=f32(layer.post_attention_layernorm.weight),
-                qnorm=f32(layer.q_norm.weight) if a.qk_norm else None,
-                knorm=f32(layer.k_norm.weight) if a.qk_norm else None,
-                wo=wo.data_ptr(),
-                wgu=wgu.data_ptr(),
-                wdown=wdown.data_ptr(),
-                kcache=k_cache.data_ptr(),
-                vcache=v_cache.data_ptr(),
-                wqkv_p=packed(wqkv),
-                wo_p=packed(wo),
-                wgu_p=packed(wgu),
-                wdown_p=packed(wdown),
-            )
-        self.embed = bf16(model.embed_tokens.weight)
+            self._layers[i] = own.layer(layer, *kv.layer(i), layer.input_layernorm, a.qk_norm)
+        self.embed = own.bf16(model.embed_tokens.weight)
         head = model.embed_tokens.weight if model.lm_head is None else _weight(model.lm_head)
-        self.lm_head = bf16(head)
+        self.lm_head = own.bf16(head)
         self._model = _Model(
             hidden=a.hidden_size,
             inter=a.intermediate_size,
@@ -296,16 +361,16 @@ class CpuDecoder:
             eps=a.rms_norm_eps,
             scale=a.head_dim**-0.5,
             embed=self.embed.data_ptr(),
-            final_norm=f32(model.norm.weight),
-            cos=f32(cos),
-            sin=f32(sin),
+            final_norm=own.f32(model.norm.weight),
+            cos=own.f32(cos),
+            sin=own.f32(sin),
             layers=ctypes.addressof(self._layers),
             lm_head=self.lm_head.data_ptr(),
-            lm_head_p=packed(self.lm_head),
+            lm_head_p=own.packed(self.lm_head),
             vocab=self.lm_head.shape[0],
             pad=0,
         )
-        self._keep = keep
+        self._keep = own.keep
 
     def forward(
         self,
@@ -322,9 +387,7 @@ class CpuDecoder:
         ``tree_masks`` (T,): draft trees, the rule of ``executor.batch`` (both or neither)."""
         T, H = len(input_ids), self.a.hidden_size
         ids = torch.tensor(input_ids, dtype=torch.int64)
-        info = torch.tensor(seqs, dtype=torch.int32)
-        width = max(len(bt) for bt in block_tables)
-        tables = torch.tensor([[*bt, *[0] * (width - len(bt))] for bt in block_tables], dtype=torch.int32)
+        step = FusedStepArgs.build(seqs, block_tables, positions, tree_base, tree_masks)
         out = torch.empty(T, H, dtype=torch.float32)
         aux: dict[int, Tensor] = {}
         aux_ptrs = None
@@ -334,19 +397,10 @@ class CpuDecoder:
                 aux[i] = torch.empty(T, H, dtype=torch.float32)
                 arr[i] = aux[i].data_ptr()
             aux_ptrs = ctypes.addressof(arr)
-        pos = None if positions is None else torch.tensor(positions, dtype=torch.int32)
-        base = None if tree_base is None else torch.tensor(tree_base, dtype=torch.int32)
-        masks = None if tree_masks is None else torch.tensor(int64_masks(list(tree_masks)), dtype=torch.int64)
+        info, tables, width, pos, base, masks = step.pointers()
         self.lib.ss_set_num_threads(torch.get_num_threads())  # per calling thread in OpenMP
-        rc = self.lib.ss_forward(
-            ctypes.addressof(self._model), T, _ptr(ids), len(seqs), _ptr(info), _ptr(tables), width,
-            _ptr(out), aux_ptrs, _ptr(pos), _ptr(base), _ptr(masks),
-        )  # fmt: skip
-        if rc == -4:
-            raise MemoryError("fused CPU decoder: out of memory for this step's buffers")
-        if rc != 0:
-            what = {-1: "model shape", -2: "sequence layout or block tables", -3: "a token id outside the vocabulary"}
-            raise ValueError(f"fused CPU decoder rejected its inputs: {what.get(rc, rc)}")
+        _check_rc(self.lib.ss_forward(ctypes.addressof(self._model), T, _ptr(ids), len(seqs), info, tables, width,
+                                      _ptr(out), aux_ptrs, pos, base, masks))
         return out, aux
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -356,6 +410,112 @@ class CpuDecoder:
         self.lib.ss_set_num_threads(torch.get_num_threads())
         self.lib.ss_logits(ctypes.addressof(self._model), _ptr(h), N, _ptr(out))
         return out
+
+
+class FusedHead:
+    """A draft head's decoder layer (``models.eagle.HeadLayer``: q/k/v and gate/up fused,
+    no q/k norm) in one C call over the head's paged cache layer: q/k/v from the
+    attention input, rotary, the K/V write, attention (draft trees included), o, the
+    MLP, with the residual stream in float32 inside the layer.
+
+    ``__call__`` takes the attention input the head built (``ss_head_layer``).  Given
+    ``eagle3`` (the embeddings (V, H), the layer's input norm and hidden norm weights and
+    ``norm_before_residual``), ``eagle3_layer`` builds EAGLE-3's input in the same call
+    (``ss_eagle3_layer``); given ``lm_head`` (draft vocabulary rows) and ``final_norm``,
+    ``logits`` is the head's norm and LM head (``ss_norm_logits``)."""
+
+    def __init__(self, lib: ctypes.CDLL, layer: Any, rotary: Any, kv: tuple[Tensor, Tensor], block_size: int, *,
+                 hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rms_norm_eps: float, num_positions: int, window: int | None = None, use_amx: bool | None = None,
+                 eagle3: tuple[Tensor, Tensor, Tensor, bool] | None = None, final_norm: Tensor | None = None,
+                 lm_head: Any = None):
+        k_cache, v_cache = kv
+        if k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16:
+            raise KernelUnavailable("the fused head layer needs a bfloat16 KV cache")
+        if getattr(layer, "q_norm", None) is not None:
+            raise KernelUnavailable("the fused head layer has no q/k norm")
+        cos, sin = rotary.cos, rotary.sin
+        if cos.shape[1] * 2 != head_dim:
+            raise KernelUnavailable("partial rotary embeddings are not supported by the fused CPU decoder")
+        self.lib = lib
+        self.hidden_size = hidden_size
+        self.in_features = _weight(layer.qkv_proj).shape[1]
+        own = _Owned(lib, amx_usable(lib) if use_amx is None else use_amx)
+        self._layers = (_Layer * 1)(own.layer(layer, k_cache, v_cache, None, False))
+        self.eagle3 = None
+        if eagle3 is not None:
+            embed, ln_in, hnorm, norm_before_residual = eagle3
+            if self.in_features != 2 * hidden_size:
+                raise KernelUnavailable(f"an EAGLE-3 layer reads 2 x {hidden_size} inputs, not {self.in_features}")
+            table = own.bf16(embed)
+            self.eagle3 = (table.data_ptr(), table.shape[0], own.f32(ln_in), own.f32(hnorm), int(norm_before_residual))
+        self.vocab = 0
+        head_w = None
+        if lm_head is not None:
+            head_w = own.bf16(_weight(lm_head))
+            self.vocab = head_w.shape[0]
+        self._model = _Model(
+            hidden=hidden_size, inter=intermediate_size, n_layers=1, n_heads=num_heads, n_kv_heads=num_kv_heads,
+            head_dim=head_dim, block_size=block_size, window=window or 0,
+            n_positions=min(num_positions, cos.shape[0]), reserved=0, eps=rms_norm_eps, scale=head_dim**-0.5,
+            embed=None, final_norm=own.f32(final_norm), cos=own.f32(cos), sin=own.f32(sin),
+            layers=ctypes.addressof(self._layers), lm_head=_ptr(head_w),
+            lm_head_p=own.packed(head_w, lm_head) if head_w is not None else None, vocab=self.vocab, pad=0,
+        )  # fmt: skip
+        self._keep = own.keep
+
+    def _check(self, T: int, residual: Tensor, step: FusedStepArgs) -> None:
+        if residual.shape != (T, self.hidden_size) or step.num_tokens != T:
+            raise ValueError(f"fused head layer: {T} rows and {tuple(residual.shape)} residuals for a step of "
+                             f"{step.num_tokens} tokens")
+
+    def __call__(self, x_in: Tensor, residual: Tensor, step: FusedStepArgs) -> Tensor:
+        """x_in (T, in_features): what q/k/v read; residual (T, H).  Returns the layer's
+        output (T, H) float32 (before any final norm)."""
+        T = x_in.shape[0]
+        self._check(T, residual, step)
+        if x_in.shape[1] != self.in_features:
+            raise ValueError(f"fused head layer: inputs of {x_in.shape[1]} features, expected {self.in_features}")
+        xin = x_in.to(torch.bfloat16).contiguous()
+        x = torch.empty(T, self.hidden_size, dtype=torch.float32).copy_(residual)  # the C call writes it
+        info, tables, width, pos, base, masks = step.pointers()
+        self.lib.ss_set_num_threads(torch.get_num_threads())
+        _check_rc(self.lib.ss_head_layer(ctypes.addressof(self._model), self.in_features, T, _ptr(xin), _ptr(x),
+                                         step.info.shape[0], info, tables, width, pos, base, masks))
+        return x
+
+    def eagle3_layer(self, ids: Tensor, hidden: Tensor, step: FusedStepArgs) -> Tensor:
+        """An EAGLE-3 step from its tokens (T,) and hidden input (T, H): the layer's output
+        (T, H) float32."""
+        if self.eagle3 is None:
+            raise ValueError("fused head layer: built without EAGLE-3's inputs")
+        T = ids.shape[0]
+        self._check(T, hidden, step)
+        table, vocab, ln_in, hnorm, nbr = self.eagle3
+        g = hidden.to(torch.bfloat16).contiguous()
+        tok = ids.to(torch.int64).contiguous()
+        x = torch.empty(T, self.hidden_size, dtype=torch.float32)
+        info, tables, width, pos, base, masks = step.pointers()
+        self.lib.ss_set_num_threads(torch.get_num_threads())
+        _check_rc(self.lib.ss_eagle3_layer(ctypes.addressof(self._model), T, _ptr(tok), table, vocab, ln_in, hnorm,
+                                           nbr, _ptr(g), _ptr(x), step.info.shape[0], info, tables, width, pos,
+                                           base, masks))
+        return x
+
+    @property
+    def has_logits(self) -> bool:
+        return self.vocab > 0
+
+    def logits(self, out: Tensor) -> Tensor:
+        """(N, H) layer outputs -> (N, draft vocabulary) float32 logits."""
+        if not self.has_logits:
+            raise ValueError("fused head layer: built without an LM head")
+        x = out.float().contiguous()
+        N = x.shape[0]
+        y = torch.empty(N, self.vocab, dtype=torch.float32)
+        self.lib.ss_set_num_threads(torch.get_num_threads())
+        _check_rc(self.lib.ss_norm_logits(ctypes.addressof(self._model), _ptr(x), N, _ptr(y)))
+        return y
 
 
 def _weight(lin: Any) -> Tensor:

@@ -273,19 +273,19 @@ def build_eagle(spec: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
     check_against_target(ck, ctx.target.arch, k, key)
     t = ctx.target
     head = build_head(ck, t.model, t.dtype, t.device, t.max_model_len + k + 1)
-    runners = RunnerFactory.from_engine(ctx.engine, ctx.cache_dir)
-    runners.fuse_head(head, t)
     kv_blocks = getattr(ctx, "kv_blocks", None)
     if kv_blocks is None:
         raise ConfigError("method.method", f"{spec.method} needs the engine's KV blocks (ProposerContext.kv_blocks)")
     log.info("%s head from %s (%s layout): target layers %s, draft vocabulary %d of %d", spec.method, ck.path,
              ck.layout, list(ck.config.aux_layer_ids), ck.config.draft_vocab_size, ck.config.vocab_size)
     kv, trash = _head_kv(ctx, head)
+    runners = RunnerFactory.from_engine(ctx.engine, ctx.cache_dir)
+    runners.fuse_head(head, t, kv, ctx.engine.block_size)
     proposer = EagleProposer(
         head, k, kv, ctx.engine.block_size, kv_blocks,
         probabilistic=spec.samples_drafts, trash_slot=trash, tree=spec.tree,
     )
-    proposer.attention = runners.head_attention(t)
+    proposer.attention = runners.head_attention(t, head)
     proposer.static = runners.head_graphs(head, kv, t, block_size=ctx.engine.block_size, trash_slot=trash,
                                           num_spec_tokens=k, max_seq_len=t.max_model_len)  # fmt: skip
     return proposer

@@ -320,13 +320,24 @@ class FrontierMasks:
         return out
 
 
+FUSED_HEAD = "cpu_fused"  # ``head_metadata``'s kernel for a head whose layer runs on the fused CPU decoder
+
+
 def head_metadata(batch: StepBatch, block_size: int, device: torch.device, window: int | None = None,
                   kernel: str | None = None) -> tuple[AttentionMetadata, Tensor]:
     """(attention metadata, positions (T,)) for a forward of a head over ``batch`` in its
     paged cache.  ``kernel``: the paged kernel's implementation where the target runs on
     it (``RunnerFactory.head_attention``: CUDA), so a step that commits a prompt chunk
     beside decode rows gathers and masks nothing (``attention.kernel_metadata``); None:
-    the reference attention's padded group (``attention.batch_metadata``: the CPU)."""
+    the reference attention's padded group (``attention.batch_metadata``: the CPU);
+    ``FUSED_HEAD``: the head's layer runs whole on the fused CPU decoder
+    (``kernels.cpu_decoder.FusedHead``), which reads the batch's layout as it is."""
+    if kernel == FUSED_HEAD:
+        from specserve.kernels.cpu_decoder import FusedStepArgs
+
+        meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64),
+                                 fused=FusedStepArgs.from_batch(batch))
+        return meta, torch.tensor(batch.positions, dtype=torch.int64, device=device)
     if kernel is not None:
         return kernel_metadata(batch, block_size, device, kernel, window)
     return batch_metadata(batch, block_size, device, window)

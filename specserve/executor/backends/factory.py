@@ -183,11 +183,15 @@ class RunnerFactory:
         return runner
 
     # ------------------------------------------------------------------ EAGLE heads
-    def fuse_head(self, head: Any, target: LoadedModel) -> int:
+    def fuse_head(self, head: Any, target: LoadedModel, kv: tuple[Any, Any] | None = None,
+                  block_size: int | None = None) -> int:
         """Where the target runs on the fused decoder (rule 3), a head's projections and
-        LM head run on the decoder's matmul too: torch's bf16 matmul without native bf16
-        is about 3x slower, and the head's weights are most of a draft step.  Returns
-        how many linear layers now run fused (0: the head stays on torch)."""
+        LM head run on the decoder's matmul too (torch's bf16 matmul without native bf16
+        is about 3x slower, and the head's weights are most of a draft step), and, given
+        the head's cache layer ``kv``, its whole decoder layer runs in one fused call
+        (``FusedHead``: the dozen torch ops of a head step cost more than its
+        weights on a small model).  Returns how many linear layers now run fused (0: the
+        head stays on torch)."""
         if target.tp is not None or self.cpu_kernel not in ("auto", "fused"):
             return 0
         if FusedCpuRunner.supports.refusal(target.device, target.dtype) is not None:
@@ -200,15 +204,28 @@ class RunnerFactory:
             log.info("the head runs on torch (fused CPU kernel unavailable: %s)", e)
             return 0
         n = fuse_linears(head, lib, fp32_out=("lm_head",))
-        log.info("the head's %d projections run on the fused CPU kernel", n)
+        if kv is not None:
+            try:
+                head.fused = _fused_head(lib, head, kv, block_size or self.block_size)
+            except KernelUnavailable as e:
+                log.info("the head's layer runs on torch ops (%s); its projections are fused", e)
+        log.info("the head's %d projections run on the fused CPU kernel%s", n,
+                 ", its layer in one call" if head.fused is not None else "")
         return n
 
-    def head_attention(self, target: LoadedModel) -> str | None:
+    def head_attention(self, target: LoadedModel, head: Any = None) -> str | None:
         """How the eager forwards of a head's own layers attend (an EAGLE head's, MTP's):
         on CUDA through the paged kernel the target's check chose (``attention_backend``),
         so a step committing a prompt chunk beside decode rows builds no padded keys or
-        masks; elsewhere None, the reference attention the CPU target runs too."""
-        return self.attention_backend if target.device.type == "cuda" else None
+        masks; a ``head`` whose layer runs on the fused CPU decoder (``fuse_head``) gives
+        ``heads.FUSED_HEAD``; elsewhere None, the reference attention the CPU target runs too."""
+        if target.device.type == "cuda":
+            return self.attention_backend
+        if head is not None and getattr(head, "fused", None) is not None:
+            from specserve.proposers.heads import FUSED_HEAD
+
+            return FUSED_HEAD
+        return None
 
     def head_graphs(self, head: Any, kv: Any, target: LoadedModel, *, block_size: int, trash_slot: int,
                     num_spec_tokens: int, max_seq_len: int) -> Any:
@@ -225,3 +242,22 @@ class RunnerFactory:
                                  max_seq_len=max_seq_len, impl=self.attention_backend, use_graphs=True)  # fmt: skip
         graphs.capture()
         return graphs
+
+
+def _fused_head(lib: Any, head: Any, kv: tuple[Any, Any], block_size: int) -> Any:
+    """An EAGLE head's ``FusedHead``: its layer; for EAGLE-3 its input built in the same
+    call (the embeddings, the layer's two input norms); its norm and LM head where it
+    brings its own (a reduced draft vocabulary)."""
+    from specserve.kernels.cpu_decoder import FusedHead
+
+    c, layer = head.c, head.layer
+    eagle3 = None
+    if c.kind == "eagle3" and head.enorm is None:
+        table = head.embed_tokens.weight if head.embed_tokens is not None else head._target.embed_tokens.weight
+        eagle3 = (table, layer.input_layernorm.weight, layer.hidden_norm.weight, c.norm_before_residual)
+    lm = head.lm_head
+    return FusedHead(lib, layer, head.rotary, kv, block_size, hidden_size=c.hidden_size,
+                     intermediate_size=c.intermediate_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                     head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, num_positions=head.rotary.cos.shape[0],
+                     eagle3=eagle3, final_norm=head.norm.weight if head.norm is not None else None,
+                     lm_head=lm)  # fmt: skip

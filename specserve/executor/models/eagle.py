@@ -125,6 +125,10 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_to_target", None)
         self.rotary = Rotary(c.rope_config, max_positions)
         self._target: Any = None  # the target's LlamaModel, for shared embeddings / LM head
+        # The head on the fused CPU decoder (``kernels.cpu_decoder.FusedHead``), set by the
+        # backend factory: a step whose metadata says ``fused`` runs its layer there, and
+        # its logits come from there when it holds the LM head.
+        self.fused: Any = None
 
     # ------------------------------------------------------------ wiring
     def attach_target(self, target_model: Any) -> None:
@@ -164,6 +168,12 @@ class EagleHead(nn.Module):
     ) -> Tensor:
         """One paged step over a flattened batch: ids (T,), hidden (T, H) -> the
         layer's output (T, H) (pre-norm: what the next step feeds back)."""
+        if meta.fused is not None:  # the layer in one call on the fused CPU decoder
+            f = self.fused
+            if f.eagle3 is not None:
+                return f.eagle3_layer(ids, hidden, meta.fused).to(hidden.dtype)
+            residual, x = self.step_input(ids, hidden)
+            return f(x, residual, meta.fused).to(x.dtype)
         residual, x = self.step_input(ids, hidden)
         cos, sin = self.rotary.tables(positions, x.dtype)
         q, k, v = self.layer.qkv(x, cos, sin)
@@ -172,6 +182,8 @@ class EagleHead(nn.Module):
 
     def logits(self, out: Tensor) -> Tensor:
         """(N, H) layer outputs -> (N, draft_vocab) float32 logits."""
+        if self.fused is not None and self.fused.has_logits:
+            return self.fused.logits(out)
         h = self.norm(out) if self.norm is not None else out
         if self.lm_head is not None:
             return self.lm_head(h).float()
