@@ -44,17 +44,22 @@ def one_thread():
 
 def draw_k_every_step(engine, k: int, seed: int) -> list[int]:
     """Replace the engine's choice of drafts per step by a seeded draw from 0..k (what
-    adaptive speculation may do, at its most erratic); returns the list of draws."""
+    adaptive speculation may do, at its most erratic); with a tree configured, its depth
+    is drawn too from the depths adaptive speculation may give it (another stream of the
+    same seed, so the drafts drawn are the same with or without trees).  Returns the
+    list of drafts drawn."""
     import random
 
     from specserve.engine.spec_control import Choice
 
     c, rng, picked = engine.spec_control, random.Random(seed), []
+    depths = random.Random(seed + 1)
 
     def choose(batch_size: int) -> Choice:
         c.num_drafts = rng.randint(0, k)
         picked.append(c.num_drafts)
-        return Choice(c.num_drafts, c.trees)  # trees, where configured, as the fixed choice
+        depth = depths.choice(c.tree_depths) if c.trees else 0
+        return Choice(c.num_drafts, c.trees, depth)  # trees, where configured, as the fixed choice
 
     c.choose = choose
     return picked

@@ -43,7 +43,7 @@ from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.engine.stats import RequestFinishedStats, RequestStepStats, StatsListener, StepStats
 from specserve.engine.tokenizer import Tokenizer
-from specserve.engine.spec_control import SpecController
+from specserve.engine.spec_control import SpecController, tree_depth_choices
 from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeError
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model, resolve_device
@@ -180,7 +180,8 @@ class LLMEngine:
         # (on the CPU those stay fixed: measured there with K every step).
         adaptive = e.speculation == "adaptive" or (e.speculation == "auto" and (plan.cuda or spec is not None))
         self.spec_control = SpecController(self.num_spec_tokens, adaptive=adaptive and self.num_spec_tokens > 0,
-                                           candidates=sizes, max_num_seqs=e.max_num_seqs, trees=trees)
+                                           candidates=sizes, max_num_seqs=e.max_num_seqs, trees=trees,
+                                           tree_depths=tree_depth_choices(spec.tree) if trees else (0,))
         if plan.graphs:
             self.spec_control.seed_costs(self.runner.static.time_graphs())
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
@@ -476,7 +477,7 @@ class LLMEngine:
                        self.max_model_len - len(seq.token_ids) - 1) if s.sample else 0
             start = batch.query_start[b]
             reqs.append(DraftRequest(seq, max(room, 0), self._hidden_rows(s, start, committed),
-                                     tree=choice.tree and self._may_draft_tree(seq)))
+                                     tree=choice.tree and self._may_draft_tree(seq), tree_depth=choice.depth or None))
         if not reqs:
             return False
         if self.predictions is not None:
@@ -488,7 +489,7 @@ class LLMEngine:
                 parents = prop.parents[i] if prop.parents is not None else None  # a tree's structure
                 self.requests[r.seq.request_id].drafts = Drafts(
                     list(toks[: r.max_drafts]), prop.probs[i] if prop.probs is not None else None, n_pred,
-                    parents[: r.max_drafts] if parents is not None else None)
+                    parents[: r.max_drafts] if parents is not None else None, choice.depth)
         return True
 
     def _verify(self, scheduled: list[ScheduledSeq], fwd) -> None:
@@ -616,7 +617,7 @@ class LLMEngine:
                 seq.spec_stats.num_drafts += 1
                 seq.spec_stats.num_draft_tokens += len(d)
                 seq.spec_stats.num_accepted_tokens += a
-                self.spec_control.observe_drafts(len(d), a, tree=s.drafts.parents is not None)
+                self.spec_control.observe_drafts(len(d), a, tree=s.drafts.parents is not None, depth=s.drafts.depth)
             n_pred = s.drafts.num_from_prediction  # leading drafts from the request's prediction
             stage = "updating its draft state"
             try:

@@ -24,17 +24,22 @@ Until ``warmup_rounds`` drafts have been verified every step drafts K (acceptanc
 is not trusted from a handful of rounds).  The choice is exported as a gauge.
 
 With draft trees (``trees``: ``method.tree``) each step also chooses the shape: a chain
-of k drafts or a tree of k nodes (k + 1 verified tokens), k in the same candidates.  A
-tree's E(k) is 1 + the decayed mean accepted length of the tree rounds of k nodes (a
-tree's acceptance is not a product over positions); an unmeasured k takes the nearest
-measured size's mean (capped at k + 1), and with no tree measured the chain's E(k), so
-trees get tried.  Chains learn per-position acceptance from chain rounds only.  Both
-shapes share step(B, k+1) (the same verified tokens); propose costs are kept per shape
-(a tree runs ``depth`` drafting steps over ``topk``-wide frontiers), an unmeasured tree
-cost assumed to be the chain's.  Ties go to the tree (what the configuration asked
-for).  Warm-up alternates the two shapes so both are measured; probes and ``fixed``
-draft the configured tree.  ``choose`` returns a ``Choice``: an int (the drafts) that
-also says ``tree``.  A
+of k drafts or a tree of k nodes (k + 1 verified tokens), k in the same candidates, and
+the tree's depth d (its drafting steps) among ``tree_depths`` (d <= k; the configured
+depth is the largest): a deep tree accepts more, a shallow one costs less to draft,
+and which wins depends on the drafter and the device.  A tree's E(k, d) is 1 + the
+decayed mean accepted length of the tree rounds of that shape (a tree's acceptance is
+not a product over positions); an unmeasured shape takes the nearest measured one's
+(the same depth first), capped at min(k, d) + 1, and with no tree measured the chain's
+E(k), so trees get tried.  Chains learn per-position acceptance from chain rounds
+only.  Both shapes share step(B, k+1) (the same verified tokens); propose costs are
+kept per shape (a tree round runs d drafting steps over ``topk``-wide frontiers): an
+unmeasured tree shape costs what the nearest measured node count of its depth costs,
+else the measured depths' costs interpolated (or scaled by depth), else the chain's.
+Ties go to the tree, then to the deeper one (what the configuration asked for).
+Warm-up cycles through the configured tree, a chain and the other depths so each is
+measured; probes and ``fixed`` draft the configured tree.  ``choose`` returns a
+``Choice``: an int (the drafts) that also says ``tree`` and ``depth``.  A
 change of the choice is logged at INFO at most once per ``log_interval_s`` (by
 ``clock``): the line says the current choice and how many changes it stands for;
 every change and every probe is logged at DEBUG.
@@ -65,19 +70,22 @@ class _Ema:
 
 
 class Choice(int):
-    """Drafts per request for the next step (an int, so it reads as before), and ``tree``:
-    whether they are drafted as a tree (only ever True with ``method.tree``)."""
+    """Drafts per request for the next step (an int, so it reads as before), ``tree``:
+    whether they are drafted as a tree (only ever True with ``method.tree``), and
+    ``depth``: the tree's drafting steps (0: as configured, and for a chain)."""
 
     tree: bool
+    depth: int
 
-    def __new__(cls, num_drafts: int, tree: bool = False) -> "Choice":
+    def __new__(cls, num_drafts: int, tree: bool = False, depth: int = 0) -> "Choice":
         c = super().__new__(cls, num_drafts)
         c.tree = bool(tree) and num_drafts > 0
+        c.depth = int(depth) if c.tree else 0
         return c
 
     @property
-    def key(self) -> tuple[int, bool]:
-        return int(self), self.tree
+    def key(self) -> tuple[int, bool, int]:
+        return int(self), self.tree, self.depth
 
 
 @dataclass
@@ -99,31 +107,48 @@ class SpecController:
     num_drafts: int = 0  # the last choice: drafts per request in the step being proposed
     # Draft trees (method.tree): the shape is chosen too; K (fixed, warm-up, probes) is a tree.
     trees: bool = False
+    # The depths a tree may be given (its drafting steps), the configured one the largest;
+    # (0,): only the configured tree (0: as configured).
+    tree_depths: tuple[int, ...] = (0,)
     tree: bool = False  # the last choice drafts trees
-    tree_rounds: dict[int, float] = field(default_factory=dict)  # tree rounds per node count (decayed)
-    tree_accepted: dict[int, float] = field(default_factory=dict)  # ... and their accepted drafts
-    tree_propose_cost: dict[int, _Ema] = field(default_factory=dict)
+    depth: int = 0  # ... of this depth (0: as configured)
+    # Per tree shape (nodes, depth): rounds (decayed), their accepted drafts, proposing costs.
+    tree_rounds: dict[tuple[int, int], float] = field(default_factory=dict)
+    tree_accepted: dict[tuple[int, int], float] = field(default_factory=dict)
+    tree_propose_cost: dict[tuple[int, int], _Ema] = field(default_factory=dict)
     _steps_off: int = 0
     _interval: int = 0  # steps off before the next probe (probe_every, doubling)
     _probed: bool = False  # the previous choice was a probe
-    _last_k: int | None = None
+    _last_k: tuple[int, bool, int] | None = None
+    _warmups: int = 0  # warm-up choices made (they cycle through the shapes)
     # Logging: INFO about the choice at most once per log_interval_s seconds of clock().
     log_interval_s: float = LOG_INTERVAL_S
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
-    _logged_k: tuple[int, bool] | None = None  # the choice the last INFO line reported
-    _last_decided: tuple[int, bool] | None = None
+    _logged_k: tuple[int, bool, int] | None = None  # the choice the last INFO line reported
+    _last_decided: tuple[int, bool, int] | None = None
     _logged_at: float | None = None
     _changes: int = 0  # changes of the choice since that line
 
     def __post_init__(self) -> None:
         K = self.num_spec_tokens
         self.candidates = tuple(sorted({k for k in (self.candidates or range(1, K + 1)) if 1 <= k <= K}))
+        self.tree_depths = tuple(sorted(set(self.tree_depths))) or (0,)
         self.reached = [0.0] * K
         self.accepted = [0.0] * K
         self.num_drafts = K
         self.tree = self.trees and K > 0
+        self.depth = self.full_depth if self.tree else 0
         self._interval = self.probe_every
-        self._logged_k = (K, self.tree)
+        self._logged_k = Choice(K, self.trees, self.full_depth).key
+
+    @property
+    def full_depth(self) -> int:
+        """The configured tree's depth (0: as configured)."""
+        return self.tree_depths[-1]
+
+    def _configured(self, k: int) -> Choice:
+        """k drafts in the configured shape: its tree at its depth, else a chain."""
+        return Choice(k, self.trees, self.full_depth)
 
     # ------------------------------------------------------------------ observations
     def seed_costs(self, table: dict[tuple[int, int], float]) -> None:
@@ -139,25 +164,29 @@ class SpecController:
         if q is not None:  # only fixed-shape steps say what a (bucket, q) costs
             self.step_cost.setdefault((self.bucket(batch_size), q), _Ema()).add(step_s)
         if propose_s is not None:
-            costs = self.tree_propose_cost if self.tree else self.propose_cost
-            costs.setdefault(self.num_drafts, _Ema()).add(propose_s)
+            if self.tree:
+                self.tree_propose_cost.setdefault((self.num_drafts, self.depth), _Ema()).add(propose_s)
+            else:
+                self.propose_cost.setdefault(self.num_drafts, _Ema()).add(propose_s)
 
     def bucket(self, batch_size: int) -> int:
         """The batch bucket whose costs a batch of ``batch_size`` requests reads and updates."""
         return batch_bucket(batch_size, self.max_num_seqs)
 
-    def observe_drafts(self, num_drafts: int, num_accepted: int, tree: bool = False) -> None:
+    def observe_drafts(self, num_drafts: int, num_accepted: int, tree: bool = False, depth: int = 0) -> None:
         """One request's verification: drafts 1..num_accepted were accepted, and draft
         num_accepted + 1 (if drafted) was the first rejected.  ``tree``: the drafts were
-        a tree's ``num_drafts`` nodes, ``num_accepted`` the accepted path's length."""
+        a tree's ``num_drafts`` nodes drafted at ``depth`` (the choice that proposed them),
+        ``num_accepted`` the accepted path's length."""
         if num_drafts == 0:
             return
         if tree:
             for n in self.tree_rounds:
                 self.tree_rounds[n] *= DECAY
                 self.tree_accepted[n] *= DECAY
-            self.tree_rounds[num_drafts] = self.tree_rounds.get(num_drafts, 0.0) + 1.0
-            self.tree_accepted[num_drafts] = self.tree_accepted.get(num_drafts, 0.0) + num_accepted
+            key = (num_drafts, depth)
+            self.tree_rounds[key] = self.tree_rounds.get(key, 0.0) + 1.0
+            self.tree_accepted[key] = self.tree_accepted.get(key, 0.0) + num_accepted
             return
         for i in range(len(self.reached)):
             self.reached[i] *= DECAY
@@ -179,15 +208,18 @@ class SpecController:
             total += run
         return total
 
-    def expected_tree_tokens(self, k: int) -> float:
-        """1 + the mean accepted length of tree rounds of k nodes; an unmeasured k takes the
-        nearest measured size's (the smaller on a tie), at most k + 1; none measured: the
-        chain's E(k), so trees get tried."""
-        measured = [n for n, w in self.tree_rounds.items() if w > 0.5]
+    def expected_tree_tokens(self, k: int, depth: int | None = None) -> float:
+        """1 + the mean accepted length of tree rounds of k nodes at ``depth`` (default: the
+        configured one); an unmeasured shape takes the nearest measured one's (the same
+        depth first, then the nearest node count, the smaller on a tie), at most
+        min(k, depth) + 1; none measured: the chain's E(k), so trees get tried."""
+        d = self.full_depth if depth is None else depth
+        measured = [m for m, w in self.tree_rounds.items() if w > 0.5]
         if not measured:
             return self.expected_tokens(k)
-        n = min(measured, key=lambda m: (abs(m - k), m))
-        return min(1.0 + self.tree_accepted[n] / self.tree_rounds[n], k + 1.0)
+        n = min(measured, key=lambda m: (abs(m[1] - d), abs(m[0] - k), m[0], m[1]))
+        cap = min(k, d) if d > 0 else k
+        return min(1.0 + self.tree_accepted[n] / self.tree_rounds[n], cap + 1.0)
 
     def _warm(self) -> bool:
         """Enough drafts verified (chain first positions plus tree rounds, decayed) to
@@ -206,9 +238,9 @@ class SpecController:
         requests, and (``Choice.tree``) whether they are drafted as a tree."""
         K = self.num_spec_tokens
         if not self.adaptive or batch_size == 0:
-            c = Choice(K, self.trees)
+            c = self._configured(K)
         elif not self._warm():
-            c = Choice(K, self._warmup_tree())
+            c = self._warmup_choice()
         else:
             c = self._best(self.bucket(batch_size), batch_size)
             if c > 0:  # speculating again: the next spell off starts probing at probe_every
@@ -222,24 +254,36 @@ class SpecController:
             if self._steps_off >= self._interval:  # look again: acceptance or costs may have moved
                 self._steps_off = 0
                 self._probed = True
-                c = Choice(K, self.trees)
+                c = self._configured(K)
         else:
             self._steps_off = 0
         if self.adaptive and batch_size > 0:  # an idle engine decides nothing
             self._log_choice(decided, c, batch_size)
-        self._last_k, self.num_drafts, self.tree = c.key, int(c), c.tree
+        self._last_k, self.num_drafts, self.tree, self.depth = c.key, int(c), c.tree, c.depth
         return c
 
-    def _warmup_tree(self) -> bool:
-        """During warm-up with trees, tree and chain rounds alternate so both are measured."""
-        return self.trees and not (self._last_k is not None and self._last_k[1])
+    def _warmup_choice(self) -> Choice:
+        """K drafts; with trees, warm-up cycles through the configured tree, a chain and the
+        tree at each other depth, so every shape is measured."""
+        K = self.num_spec_tokens
+        if not self.trees:
+            return Choice(K)
+        shapes = [(True, self.full_depth), (False, 0)]
+        shapes += [(True, d) for d in reversed(self.tree_depths[:-1]) if d <= K]
+        tree, depth = shapes[self._warmups % len(shapes)]
+        self._warmups += 1
+        return Choice(K, tree, depth)
 
-    def _say(self, key: tuple[int, bool] | None) -> str:
+    def _say(self, key: tuple[int, bool, int] | None) -> str:
         """A choice as the log lines write it: the drafts, and with trees the shape."""
         if key is None:
             return "?"
-        k, tree = key
-        return f"{'tree' if tree else 'chain'} of {k}" if self.trees and k > 0 else str(k)
+        k, tree, depth = key
+        if not self.trees or k == 0:
+            return str(k)
+        if not tree:
+            return f"chain of {k}"
+        return f"tree of {k}" + (f" (depth {depth})" if len(self.tree_depths) > 1 else "")
 
     def _log_choice(self, decided: Choice, c: Choice, batch_size: int) -> None:
         """Every change and probe at DEBUG; the decision (probes aside) at INFO when it
@@ -271,36 +315,72 @@ class SpecController:
             # nothing else would ever measure it and K would stay fixed).
             return Choice(0 if self._cost_known(bucket, K + 1) else K, self.trees)
         best, best_rate = Choice(0), batch_size / (base + self._propose(0))
-        # trees first: at an equal rate the configured shape wins
-        shapes = [(k, True) for k in self.candidates] if self.trees else []
-        for k, tree in shapes + [(k, False) for k in self.candidates]:
+        # trees first, the deepest first: at an equal rate the configured shape wins
+        shapes = [(k, True, d) for d in reversed(self.tree_depths) for k in self.candidates
+                  if d <= k] if self.trees else []
+        for k, tree, d in shapes + [(k, False, 0) for k in self.candidates]:
             cost = self._cost(bucket, k + 1)  # the same verified tokens: one cost for both shapes
             if cost is None:
                 continue
-            e = self.expected_tree_tokens(k) if tree else self.expected_tokens(k)
-            rate = batch_size * e / (cost + self._propose(k, tree))
+            e = self.expected_tree_tokens(k, d) if tree else self.expected_tokens(k)
+            rate = batch_size * e / (cost + self._propose(k, tree, d))
             if rate > best_rate:
-                best, best_rate = Choice(k, tree), rate
+                best, best_rate = Choice(k, tree, d), rate
         return best
 
     def _cost_known(self, bucket: int, q: int) -> bool:
         ema = self.step_cost.get((bucket, q))
         return ema is not None and ema.value is not None
 
-    def _propose(self, k: int, tree: bool = False) -> float:
-        """Measured cost of proposing k drafts (as a tree: trees' own costs, the chain's
-        while no tree was measured); an unmeasured k is interpolated linearly between the
-        nearest measured k below and above it (drafting is k steps of the same work), else
-        the largest measured cost (0 for k = 0)."""
-        costs = self.tree_propose_cost if tree and self.tree_propose_cost else self.propose_cost
-        ema = costs.get(k)
+    def _propose(self, k: int, tree: bool = False, depth: int | None = None) -> float:
+        """Measured cost of proposing k drafts.  A chain's: an unmeasured k is interpolated
+        linearly between the nearest measured k below and above it (drafting is k steps of
+        the same work), else the largest measured cost (0 for k = 0).  A tree's
+        (``_tree_propose``): its own shapes' costs, the chain's while no tree was measured."""
+        if tree:
+            known = {m: e.value for m, e in self.tree_propose_cost.items() if e.value is not None}
+            if known:
+                return self._tree_propose(k, self.full_depth if depth is None else depth, known)
+        ema = self.propose_cost.get(k)
         if ema is not None and ema.value is not None:
             return ema.value
-        known = {kk: e.value for kk, e in costs.items() if e.value is not None}
-        below = [kk for kk in known if kk < k]
-        above = [kk for kk in known if kk > k]
+        known_k = {kk: e.value for kk, e in self.propose_cost.items() if e.value is not None}
+        below = [kk for kk in known_k if kk < k]
+        above = [kk for kk in known_k if kk > k]
         if below and above:
             lo, hi = max(below), min(above)
-            return known[lo] + (known[hi] - known[lo]) * (k - lo) / (hi - lo)
-        rest = [v for kk, v in known.items() if kk > 0]
+            return known_k[lo] + (known_k[hi] - known_k[lo]) * (k - lo) / (hi - lo)
+        rest = [v for kk, v in known_k.items() if kk > 0]
         return 0.0 if k == 0 or not rest else max(rest)
+
+    @staticmethod
+    def _tree_propose(k: int, depth: int, known: dict[tuple[int, int], float]) -> float:
+        """A tree shape's proposing cost from the measured ones: (k, depth) itself, else the
+        nearest measured node count at that depth (a round drafts the same levels whatever
+        it keeps), else the measured depths' costs (each at its node count nearest k)
+        interpolated linearly in depth, or outside them scaled by depth from the nearest."""
+        if (k, depth) in known:
+            return known[(k, depth)]
+        by_depth: dict[int, float] = {}
+        for d in {d for _, d in known}:
+            n = min((m for m in known if m[1] == d), key=lambda m: (abs(m[0] - k), m[0]))
+            by_depth[d] = known[n]
+        if depth in by_depth:
+            return by_depth[depth]
+        below = [d for d in by_depth if d < depth]
+        above = [d for d in by_depth if d > depth]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return by_depth[lo] + (by_depth[hi] - by_depth[lo]) * (depth - lo) / (hi - lo)
+        near = max(below) if below else min(above)
+        return by_depth[near] * depth / near if near > 0 and depth > 0 else by_depth[near]
+
+
+def tree_depth_choices(tree) -> tuple[int, ...]:
+    """The depths adaptive speculation may give a configured tree (a ``TreeConfig``): 2 up
+    to ``method.tree.depth`` for a dynamic tree (a depth-1 tree is the root's siblings
+    only), a static tree's own depth alone (its shape was asked for)."""
+    t = tree.expanded()
+    if t.static is not None or t.depth <= 2:
+        return (t.depth,)
+    return tuple(range(2, t.depth + 1))

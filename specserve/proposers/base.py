@@ -83,6 +83,9 @@ class DraftRequest:
     # Whether a tree may be drafted for it (the method drafts trees: method.tree); False
     # where its verification needs a chain (grammar, logprobs, penalties, logit_bias).
     tree: bool = True
+    # The most drafting steps (levels) a tree gets this round, as adaptive speculation
+    # chose (``heads.round_depth``); None: method.tree.depth.
+    tree_depth: int | None = None
 
 
 @dataclass

@@ -36,7 +36,7 @@ from specserve.executor.loader import LoadedModel, load_model
 from specserve.executor.batch import SeqInput, StepBatch
 from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import FrontierMasks, choose_nodes, tree_levels
+from specserve.proposers.heads import FrontierMasks, choose_nodes, round_depth, tree_levels
 
 
 @dataclass
@@ -242,7 +242,7 @@ class DraftModelProposer:
         for st, end in zip(states, ends):
             st.num_computed = end
         want = [min(self.num_spec_tokens, requests[n].max_drafts) for n in rows]
-        depth = min(self.tree.depth, max(want))
+        depth = round_depth(self.tree, want, [requests[n] for n in rows])
         tree = tree_levels(self.tree, torch.log_softmax(logits.float(), dim=-1))
         masks = FrontierMasks(len(rows), k, self.window)
         parent_slot = None

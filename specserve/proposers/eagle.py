@@ -71,7 +71,7 @@ from specserve.executor.models.eagle import EagleHead
 from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, KVBlocks, MemoryNeeds, Proposal, ProposerContext, TargetShape
 from specserve.proposers.heads import (DraftColumns, HeadSampler, choose_nodes, head_attention_bytes, head_metadata,
-                                       narrow, read_tensor_shapes, step_metadata, tree_levels)
+                                       narrow, read_tensor_shapes, round_depth, step_metadata, tree_levels)
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,8 @@ class EagleProposer:
         if chains:
             prop = self._draft(requests, [drafting[n] for n in chains], last[chains], drafts)
         prop.parents = [None] * len(requests)
-        self._draft_trees([drafting[n] for n in trees], last[trees], drafts, prop.parents)
+        self._draft_trees([drafting[n] for n in trees], last[trees], drafts, prop.parents,
+                          [requests[drafting[n][0]] for n in trees])
         return prop
 
     # ------------------------------------------------------------ trees
@@ -173,15 +174,16 @@ class EagleProposer:
         return t.topk * (min(t.depth, t.num_draft_tokens - 1) - 1)
 
     def _draft_trees(self, drafting, hidden: Tensor, drafts: list[list[int]],
-                     parents: list[list[int] | None]) -> None:
+                     parents: list[list[int] | None], requests: list[DraftRequest]) -> None:
         """EAGLE-2 dynamic trees (eagerly, whatever the device): from each request's last
         real row, ``depth`` expansion steps; each runs the head once over the frontier (the
         ``topk`` best nodes of the newest level by cumulative draft log-probability; each
         attends to the committed rows and its own ancestors, stored past them) and scores
-        its ``topk`` children.  Then the ``max_drafts`` best nodes of all levels (a child
-        never outranks its parent: ties keep creation order), parents first."""
+        its ``topk`` children (``depth``: ``heads.round_depth``).  Then the ``max_drafts``
+        best nodes of all levels (a child never outranks its parent: ties keep creation
+        order), parents first."""
         k, B = self.tree.topk, len(drafting)
-        depth = min(self.tree.depth, max(w for _, w, _, _ in drafting))
+        depth = round_depth(self.tree, [w for _, w, _, _ in drafting], requests)
         tree = tree_levels(self.tree, torch.log_softmax(self.head.logits(hidden).float(), dim=-1))
         # Each frontier node's parent state (the head's output there; the last real row for level 1).
         front_hidden = hidden.repeat_interleave(k, dim=0)  # (B*k, H)

@@ -282,6 +282,14 @@ def _static_plan(paths, k: int, device: torch.device) -> tuple[list[Tensor], lis
     return keep, fronts
 
 
+def round_depth(tree, want: list[int], requests) -> int:
+    """A tree round's expansion steps: the configured depth, no deeper than the most drafts
+    wanted (``want``) nor than the depth adaptive speculation chose for the round
+    (``DraftRequest.tree_depth`` of the round's ``requests``)."""
+    chosen = [r.tree_depth for r in requests if r.tree_depth]
+    return min(tree.depth, max(want), max(chosen) if chosen else tree.depth)
+
+
 def tree_levels(tree, logprobs: Tensor) -> TreeLevels:
     """The levels a drafter grows for ``tree`` (a ``TreeConfig`` as ``expanded()`` gives it):
     a static tree's fixed shape, else EAGLE-2's dynamic tree of ``topk``."""

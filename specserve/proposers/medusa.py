@@ -63,7 +63,8 @@ from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import DraftColumns, HeadSampler, choose_nodes, narrow, read_tensors, tree_levels
+from specserve.proposers.heads import (DraftColumns, HeadSampler, choose_nodes, narrow, read_tensors, round_depth,
+                                       tree_levels)
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +297,7 @@ class MedusaProposer:
         the children of every frontier node at depth d, so nothing is run per node."""
         k = self.tree.topk
         want = [min(self.num_spec_tokens, requests[i].max_drafts) for i in active]
-        depth = min(self.tree.depth, max(want))  # <= the number of heads (build checks it)
+        depth = round_depth(self.tree, want, [requests[i] for i in active])  # <= the heads (build checks it)
         tree = tree_levels(self.tree, torch.log_softmax(self.model(0, hidden), dim=-1))
         for d in range(1, depth):
             if d > 1:

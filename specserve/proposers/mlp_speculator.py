@@ -50,7 +50,8 @@ from specserve.engine.memory import VERIFY_BYTES_PER_LOGIT
 from specserve.errors import ConfigError, ModelLoadError
 from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
-from specserve.proposers.heads import DraftColumns, HeadSampler, choose_nodes, narrow, read_tensors, tree_levels
+from specserve.proposers.heads import (DraftColumns, HeadSampler, choose_nodes, narrow, read_tensors, round_depth,
+                                       tree_levels)
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class MLPSpeculatorProposer:
         carrying the state its parent's stage left (level 1: stage 0's one state)."""
         k, B = self.tree.topk, len(active)
         want = [min(self.num_spec_tokens, requests[i].max_drafts) for i in active]
-        depth = min(self.tree.depth, max(want))  # <= n_predict (build checks it)
+        depth = round_depth(self.tree, want, [requests[i] for i in active])  # <= n_predict (build checks it)
         state, logits = self.model.stage(0, state, tokens)
         tree = tree_levels(self.tree, torch.log_softmax(logits, dim=-1))
         front_state = state.repeat_interleave(k, dim=0)  # (B*k, inner): level 1's parent state

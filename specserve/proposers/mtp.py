@@ -70,8 +70,8 @@ from specserve.executor.models.llama import DecoderLayer, RMSNorm
 from specserve.methods import SpeculativeConfig, TreeConfig
 from specserve.proposers.base import DraftRequest, MemoryNeeds, Proposal, ProposerContext, TargetShape
 from specserve.proposers.heads import (DraftColumns, FrontierMasks, OwnCacheHead, choose_nodes, fuse_layer,
-                                       head_attention_bytes, narrow, read_tensor_shapes, read_tensors, step_metadata,
-                                       tree_levels)
+                                       head_attention_bytes, narrow, read_tensor_shapes, read_tensors, round_depth,
+                                       step_metadata, tree_levels)
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class MTPProposer(OwnCacheHead):
         Then the ``max_drafts`` best nodes, parents first (``heads.choose_nodes``)."""
         k, B = self.tree.topk, len(drafting)
         want = [min(self.num_spec_tokens, requests[i].max_drafts) for i, _, _ in drafting]
-        depth = min(self.tree.depth, max(want))
+        depth = round_depth(self.tree, want, [requests[i] for i, _, _ in drafting])
         tree = tree_levels(self.tree, torch.log_softmax(self._logits(self.layers[0], y), dim=-1))
         front_h = h.repeat_interleave(k, dim=0)  # (B*k, H): each frontier node's parent output
         masks = FrontierMasks(B, k, self.window)

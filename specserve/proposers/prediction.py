@@ -52,6 +52,7 @@ failure, preemption).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from specserve.proposers.base import DraftRequest, Proposal
@@ -168,7 +169,7 @@ class PredictedOutputs:
         pred = [self.drafts_for(r) if r.max_drafts > 0 else [] for r in requests]
         if inner is None:
             return Proposal(token_ids=pred), [len(p) for p in pred]
-        sub = [DraftRequest(r.seq, 0 if p else min(r.max_drafts, inner_num_spec_tokens), r.hidden_rows, tree=r.tree)
+        sub = [dataclasses.replace(r, max_drafts=0 if p else min(r.max_drafts, inner_num_spec_tokens))
                for r, p in zip(requests, pred)]
         prop = inner.propose(sub, step)
         tokens = [p if p else list(t[: s.max_drafts]) for p, t, s in zip(pred, prop.token_ids, sub)]

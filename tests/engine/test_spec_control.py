@@ -190,18 +190,19 @@ def test_the_engine_buckets_batches_as_its_graphs_are_captured(tiny_llama):
 
 
 def _costs(c: SpecController, chain: float, tree: float, step=lambda q: 0.010 + 0.0005 * q) -> None:
-    """Injected costs: proposing per shape (every candidate k the same), verification per q."""
+    """Injected costs: proposing per shape (every candidate k the same; trees at the
+    configured depth), verification per q."""
     from specserve.engine.spec_control import _Ema
 
     c.step_cost = {}
     c.seed_costs({(1, q): step(q) for q in range(1, c.num_spec_tokens + 2)})
     c.propose_cost = {k: _Ema(chain) for k in c.candidates}
-    c.tree_propose_cost = {k: _Ema(tree) for k in c.candidates}
+    c.tree_propose_cost = {(k, c.full_depth): _Ema(tree) for k in c.candidates}
 
 
-def _tree_rounds(c: SpecController, nodes: int, accepted: int, n: int = 30) -> None:
+def _tree_rounds(c: SpecController, nodes: int, accepted: int, n: int = 30, depth: int = 0) -> None:
     for _ in range(n):
-        c.observe_drafts(nodes, accepted, tree=True)
+        c.observe_drafts(nodes, accepted, tree=True, depth=depth)
 
 
 def test_trees_that_accept_more_than_chains_at_equal_cost_are_chosen():
@@ -273,8 +274,8 @@ def test_warmup_alternates_trees_and_chains_then_costs_are_kept_per_shape():
         c.observe_step(1, 5, 0.010, 0.004 if pick.tree else 0.001)
         c.observe_drafts(4, 2, tree=pick.tree)
     assert pick == 4 and shapes == [True, False] * 3
-    assert c.tree_propose_cost[4].value == pytest.approx(0.004) and c.propose_cost[4].value == pytest.approx(0.001)
-    assert set(c.tree_rounds) == {4} and c.tree_rounds[4] > 2 and c.reached[0] > 2  # both shapes measured
+    assert c.tree_propose_cost[(4, 0)].value == pytest.approx(0.004) and c.propose_cost[4].value == pytest.approx(0.001)
+    assert set(c.tree_rounds) == {(4, 0)} and c.tree_rounds[(4, 0)] > 2 and c.reached[0] > 2  # both shapes measured
 
 
 def test_fixed_mode_drafts_the_configured_tree_and_chain_configs_never_trees():
@@ -317,3 +318,103 @@ def test_the_gauges_say_drafts_and_shape():
         shown.append((registry.get_sample_value("specserve_spec_decode_num_speculative_tokens", labels),
                       registry.get_sample_value("specserve_spec_decode_draft_trees", labels)))
     assert shown == [(6, 1), (3, 0), (0, 0)]
+
+
+# --------------------------------------------------------------------------- tree depth
+
+
+def _shape_costs(c: SpecController, depth_cost, step=lambda q: 0.010) -> None:
+    """Injected costs: verification per q, and a tree round's proposing per depth."""
+    from specserve.engine.spec_control import _Ema
+
+    c.step_cost = {}
+    c.seed_costs({(1, q): step(q) for q in range(1, c.num_spec_tokens + 2)})
+    c.propose_cost = {k: _Ema(0.001 * k) for k in c.candidates}
+    c.tree_propose_cost = {(k, d): _Ema(depth_cost(d)) for k in c.candidates for d in c.tree_depths if d <= k}
+
+
+def _accepts(c: SpecController, chain_first: float, tree_mean: dict[int, float], nodes: int = 7) -> None:
+    """Injected acceptance: chains accept the first draft at ``chain_first`` and later
+    ones at 0.3; trees of ``nodes`` at depth d accept ``tree_mean[d]`` drafts a round."""
+    c.reached = [100.0] * c.num_spec_tokens
+    c.accepted = [100.0 * chain_first] + [30.0] * (c.num_spec_tokens - 1)
+    for d, mean in tree_mean.items():
+        c.tree_rounds[(nodes, d)], c.tree_accepted[(nodes, d)] = 100.0, 100.0 * mean
+
+
+@pytest.mark.parametrize("per_level,want", [(0.002, 2), (0.0001, 5)], ids=["dear-levels", "cheap-levels"])
+def test_the_tree_depth_that_pays_is_chosen(per_level, want):
+    """Deeper trees accept more but cost a drafting step per level: with dear levels (a
+    weak head on a CPU) the shallow tree wins, with cheap ones (a GPU) the deep tree."""
+    c = SpecController(7, adaptive=True, trees=True, tree_depths=(2, 3, 4, 5), warmup_rounds=0)
+    _shape_costs(c, lambda d: per_level * d)
+    _accepts(c, 0.3, {2: 0.85, 3: 0.95, 4: 1.0, 5: 1.05})
+    pick = c.choose(1)
+    assert (pick.tree, pick.depth) == (True, want) and pick >= want  # a tree of d levels has >= d nodes
+    assert (c.num_drafts, c.tree, c.depth) == (int(pick), True, want)
+
+
+def test_an_unmeasured_depth_borrows_the_nearest_and_gets_tried():
+    c = SpecController(7, adaptive=True, trees=True, tree_depths=(2, 3, 4, 5), warmup_rounds=0)
+    from specserve.engine.spec_control import _Ema
+
+    c.seed_costs({(1, q): 0.010 for q in range(1, 9)})
+    c.propose_cost = {k: _Ema(0.001 * k) for k in c.candidates}
+    c.tree_propose_cost = {(7, 5): _Ema(0.010)}  # only the configured depth measured
+    _accepts(c, 0.3, {5: 1.0})  # E = 2 there
+    assert c.expected_tree_tokens(7, 2) == pytest.approx(2.0)  # borrowed, under its cap of 3
+    assert c._propose(7, True, 2) == pytest.approx(0.004)  # scaled by depth from the measured one
+    assert c._propose(6, True, 5) == pytest.approx(0.010)  # the nearest node count at that depth
+    pick = c.choose(1)
+    assert pick.tree and pick.depth == 2  # the same tokens for less drafting: tried
+    c.tree_propose_cost[(7, 2)] = _Ema(0.004)
+    for _ in range(60):
+        c.observe_drafts(7, 0, tree=True, depth=2)  # measured: depth 2 accepts nothing here
+    pick = c.choose(1)
+    assert not (pick.tree and pick.depth == 2)  # back to what measured better
+    c.tree_propose_cost[(7, 3)] = _Ema(0.006)
+    assert c._propose(7, True, 4) == pytest.approx(0.008)  # between measured depths: interpolated
+
+
+def test_warmup_cycles_through_the_depths_and_fixed_drafts_the_configured_tree():
+    c = SpecController(4, adaptive=True, trees=True, tree_depths=(2, 3, 4), warmup_rounds=100)
+    picks = [c.choose(1) for _ in range(8)]
+    assert [(p.tree, p.depth) for p in picks] == [(True, 4), (False, 0), (True, 3), (True, 2)] * 2
+    assert all(p == 4 for p in picks)
+    fixed = SpecController(4, adaptive=False, trees=True, tree_depths=(2, 3, 4))
+    assert all((p, p.tree, p.depth) == (4, True, 4) for p in (fixed.choose(b) for b in (1, 8)))
+
+
+def test_proposing_costs_and_acceptance_are_kept_per_shape():
+    c = SpecController(4, adaptive=True, trees=True, tree_depths=(2, 3), warmup_rounds=100)
+    for cost in (0.003, 0.001, 0.002):  # tree depth 3, chain, tree depth 2
+        pick = c.choose(1)
+        c.observe_step(1, 5, 0.010, cost)
+        c.observe_drafts(4, 1, tree=pick.tree, depth=pick.depth)
+    assert {k: e.value for k, e in c.tree_propose_cost.items()} == {(4, 3): 0.003, (4, 2): 0.002}
+    assert c.propose_cost[4].value == 0.001
+    assert set(c.tree_rounds) == {(4, 3), (4, 2)} and c.reached[0] > 0
+
+
+def test_tree_depth_choices():
+    from specserve.engine.spec_control import tree_depth_choices
+    from specserve.methods import TreeConfig
+
+    assert tree_depth_choices(TreeConfig(topk=4, num_draft_tokens=8, depth=5)) == (2, 3, 4, 5)
+    assert tree_depth_choices(TreeConfig(topk=8, num_draft_tokens=8, depth=2)) == (2,)
+    assert tree_depth_choices(TreeConfig(topk=4, num_draft_tokens=5, depth=1)) == (1,)
+    static = TreeConfig(static=[(0,), (1,), (0, 0), (0, 0, 0)])
+    assert tree_depth_choices(static) == (3,)  # a static tree keeps the shape it was given
+
+
+def test_the_info_line_says_the_depth_when_it_is_chosen(caplog):
+    c = SpecController(4, adaptive=True, trees=True, tree_depths=(2, 3), warmup_rounds=0, log_interval_s=0.0,
+                       clock=lambda: 0.0)
+    _shape_costs(c, lambda d: 0.0001 if d == 2 else 0.05)
+    for d in (2, 3):
+        for _ in range(30):
+            c.observe_drafts(4, 2, tree=True, depth=d)
+    with caplog.at_level(logging.INFO, logger="specserve.engine.spec_control"):
+        pick = c.choose(1)
+    assert (pick.tree, pick.depth) == (True, 2)
+    assert f"speculation: tree of {int(pick)} (depth 2) drafts per step at batch 1 (was tree of 4 (depth 3))" in caplog.text

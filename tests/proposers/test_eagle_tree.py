@@ -164,7 +164,7 @@ def test_adaptive_speculation_switches_between_chains_and_trees_losslessly(targe
         buckets = {c.bucket(n) for n in range(1, len(prompts) + 1)}  # verifying costs what decoding does
         c.step_cost = {(b, n): _Ema(0.010) for b in buckets for n in range(1, c.num_spec_tokens + 2)}
         c.propose_cost = {k: _Ema(0.001) for k in c.candidates}
-        c.tree_propose_cost = {k: _Ema(1.0 if dear else 0.001) for k in c.candidates}
+        c.tree_propose_cost = {(k, d): _Ema(1.0 if dear else 0.001) for k in c.candidates for d in c.tree_depths}
 
     def recording_choose(batch_size):
         pick = choose(batch_size)
@@ -368,3 +368,42 @@ def test_trees_deeper_than_a_sliding_window_equal_plain_decoding(root, prompts):
         torch.testing.assert_close(_committed_kv(eng, "t", n), _committed_kv(ref, "r", n), atol=1e-5, rtol=1e-5)
         checked += 1
     assert checked == 12 and deep > 0  # paths longer than the window were accepted
+
+
+# --------------------------------------------------------------------------- the depth adaptive speculation chose
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_round_drafts_no_deeper_than_the_depth_chosen(target, heads, prompts, plain, depth):
+    """Adaptive speculation may give a tree fewer levels than method.tree.depth
+    (``DraftRequest.tree_depth``): the trees drafted stop there, and output stays plain
+    decoding's."""
+    from specserve.engine.spec_control import Choice
+
+    eng = engine(tiny_config(target, "eagle3", draft_dir=heads["eagle3"], tree=tree(2, 5, 8)))
+    c = eng.spec_control
+    assert c.tree_depths == (2, 3, 4, 5)
+    c.choose = lambda batch_size: Choice(eng.num_spec_tokens, True, depth)
+    seen = record_trees(eng)
+    _check_lossless(eng, prompts, plain)
+    deepest = []
+    for _, parents in seen:
+        d = [0] * len(parents)
+        for i, p in enumerate(parents):
+            d[i] = 1 if p < 0 else d[p] + 1
+        deepest.append(max(d))
+    assert max(deepest) == depth
+
+
+def test_round_depth():
+    from types import SimpleNamespace
+
+    from specserve.methods import TreeConfig
+    from specserve.proposers.heads import round_depth
+
+    t = TreeConfig(topk=4, num_draft_tokens=8, depth=5)
+    r = lambda d: SimpleNamespace(tree_depth=d)  # noqa: E731
+    assert round_depth(t, [7], [r(None)]) == 5  # as configured
+    assert round_depth(t, [7, 3], [r(2), r(2)]) == 2  # as chosen
+    assert round_depth(t, [3], [r(None)]) == 3  # no deeper than the drafts wanted
+    assert round_depth(t, [7], [r(9)]) == 5  # never past the configuration
