@@ -56,10 +56,10 @@ from specserve.proposers import DraftRequest, Proposer, build_proposer
 from specserve.methods import Q_VERIFICATION_METHODS, get_method
 from specserve.proposers.base import ProposerContext, TargetShape, memory_needs
 from specserve.proposers.prediction import PredictedOutputs
-from specserve.request import FinishReason, RequestOutput, SamplingParams
+from specserve.request import GREEDY_EPS, FinishReason, RequestOutput, SamplingParams
 from specserve.sampling.philox import random_seed, seed_to_int64
 from specserve.sampling.sampler import DeviceSampler, RequestTensors, unpack
-from specserve.sampling.tree import tree_inputs, unpack_trees, verify_trees
+from specserve.sampling.tree import greedy_tree_paths, node_argmax, tree_inputs, unpack_trees, verify_trees
 from specserve.engine.step_controls import logprob_lists, plan_step
 from specserve.engine.memory import DeviceFigures, MemoryBudget, plan_memory
 from specserve.sampling.logits_controls import logprob_columns
@@ -563,11 +563,18 @@ class LLMEngine:
     def _verify_trees(self, todo: list[tuple[ScheduledSeq, int, tuple[float, int, float, float]]], fwd) -> None:
         """Verify the entries whose drafts are a tree (``sampling.tree``): greedy and strict
         rows emit plain decoding's tokens, the other methods verify the siblings as
-        multiple drafts (target-only: a tree's drafts carry no q).  One packed result back."""
+        multiple drafts (target-only: a tree's drafts carry no q).  One packed result back;
+        a step of greedy trees copies back each node's argmax and walks them on the host."""
         entries = [s for s, _, _ in todo]
         seqs = [s.seq for s in entries]
         drafts = [s.drafts.token_ids for s in entries]
         temps, top_ks, top_ps, min_ps = zip(*(params for _, _, params in todo))
+        if all(t < GREEDY_EPS for t in temps):  # every node's argmax, one copy, the walk on the host
+            host = self.sampler.copy_to_host(node_argmax(fwd.logits, [row for _, row, _ in todo], drafts))
+            paths = greedy_tree_paths(host.tolist(), drafts, [s.drafts.parents for s in entries])
+            for s, (toks, a, path) in zip(entries, paths):
+                s.verified = Verified(toks, a, path=path)
+            return
         dev = self.target.device
         trees = tree_inputs([row for _, row, _ in todo], drafts, [s.drafts.parents for s in entries], dev)
         req = RequestTensors.build(temps, top_ks, top_ps, min_ps, [s.seed for s in seqs],

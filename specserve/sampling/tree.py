@@ -30,7 +30,9 @@ The decision at a node, by verification method:
   p(c), any other token t with p(t)); and reproducible for a seeded request.
 
 Both sampled rules accept a child with the same probability, sum of p over the
-children; they differ in which numbers decide.
+children; they differ in which numbers decide.  A step whose trees are all greedy needs
+only each node's argmax: :func:`node_argmax` on the device, one copy back, and the walk on
+the host (:func:`greedy_tree_paths`), the same decisions in a few microseconds.
 
 The packed result, (B, N+2) int64 with N the most drafts of any request in the step::
 
@@ -51,7 +53,8 @@ from specserve.sampling.filters import sample_from_probs
 from specserve.sampling.philox import SAMPLE, TREE_ACCEPT, keyed_uniforms
 from specserve.sampling.sampler import RequestTensors, process_logits
 
-__all__ = ["TREE_METHODS", "TreeInputs", "tree_inputs", "unpack_trees", "verify_trees"]
+__all__ = ["TREE_METHODS", "TreeInputs", "greedy_tree_paths", "node_argmax", "tree_inputs", "unpack_trees",
+           "verify_trees"]
 
 TREE_METHODS = ("strict", "probabilistic")
 
@@ -203,6 +206,39 @@ def _walk(accepted: Tensor, emitted: Tensor, max_depth: int, N: int) -> Tensor:
     path[:, N] = emitted.gather(1, cur)[:, 0]
     path[:, N + 1] = count
     return path
+
+
+def node_argmax(logits: Tensor, rows: Sequence[int], drafts: Sequence[Sequence[int]]) -> Tensor:
+    """(B, N+1) int64 on the logits' device: the target's argmax at every node of every tree
+    (``rows[b]``: tree b's root row, its drafts' rows after it; padding repeats the root):
+    all greedy verification needs, for one copy back and :func:`greedy_tree_paths`."""
+    N = max((len(d) for d in drafts), default=0)
+    index = [[row + (i if i <= len(d) else 0) for i in range(N + 1)] for row, d in zip(rows, drafts)]
+    idx = torch.tensor(index, dtype=torch.int64).to(logits.device, non_blocking=True)
+    return logits.index_select(0, idx.view(-1)).argmax(dim=-1).view(len(rows), N + 1)
+
+
+def greedy_tree_paths(argmax: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
+                      parents: Sequence[Sequence[int]]) -> list[tuple[list[int], int, list[int]]]:
+    """Greedy verification on the host from each node's argmax (:func:`node_argmax`, copied
+    back): from the root, the first child holding the target's token there, until none
+    does; then that node's argmax.  The rule of :func:`verify_trees` for greedy rows, in
+    :func:`unpack_trees`' form: (emitted tokens, num_accepted, the accepted drafts' indexes)."""
+    out = []
+    for b, (top, d, par) in enumerate(zip(argmax, drafts, parents)):
+        _check_tree(b, d, par)
+        children: list[list[int]] = [[] for _ in range(len(d) + 1)]
+        for i, p in enumerate(par):
+            children[p + 1].append(i + 1)
+        cur, path = 0, []
+        while True:
+            nxt = next((c for c in children[cur] if d[c - 1] == top[cur]), None)
+            if nxt is None:
+                break
+            path.append(nxt - 1)
+            cur = nxt
+        out.append(([d[i] for i in path] + [int(top[cur])], len(path), path))
+    return out
 
 
 def unpack_trees(packed_host: Tensor | Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]

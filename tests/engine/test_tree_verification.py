@@ -18,7 +18,7 @@ from specserve.methods import method_options
 from specserve.sampling.filters import sample_from_probs
 from specserve.sampling.philox import SAMPLE, keyed_uniforms
 from specserve.sampling.sampler import RequestTensors
-from specserve.sampling.tree import tree_inputs, unpack_trees, verify_trees
+from specserve.sampling.tree import greedy_tree_paths, node_argmax, tree_inputs, unpack_trees, verify_trees
 
 V = 8
 
@@ -63,6 +63,30 @@ def test_greedy_all_accepted_ends_with_the_leafs_token():
     logits = _peaked(1, 2, 3, 4)
     (out,), _ = _verify(logits, [[1, 2, 3]], [[-1, 0, 1]], [0.0])
     assert out == ([1, 2, 3, 4], 3, [0, 1, 2])
+
+
+def test_greedy_trees_walked_on_the_host_decide_as_on_the_device():
+    """``node_argmax`` + ``greedy_tree_paths`` (what the engine runs for a step of greedy
+    trees) against ``verify_trees``' greedy rule, on random trees whose drafts often hold
+    the target's argmax (so paths run deep), ragged batches included."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(200):
+        B = rng.randint(1, 4)
+        drafts, parents = [], []
+        for _ in range(B):
+            n = rng.randint(0, 9)
+            par = [rng.randint(-1, i - 1) for i in range(n)]
+            drafts.append([rng.randrange(4) for _ in range(n)])  # a small alphabet: siblings repeat
+            parents.append(par)
+        rows = [sum(len(d) + 1 for d in drafts[:b]) + 2 * b for b in range(B)]  # gaps between trees
+        logits = torch.randn(rows[-1] + len(drafts[-1]) + 1, 4, generator=torch.Generator().manual_seed(trial))
+        device, _ = _verify(logits, drafts, parents, [0.0] * B, rows=rows)
+        host = greedy_tree_paths(node_argmax(logits, rows, drafts).tolist(), drafts, parents)
+        assert host == device
+    with pytest.raises(ValueError, match=r"parents\[0\]\[1\]"):
+        greedy_tree_paths([[0, 0, 0]], [[1, 2]], [[-1, 1]])
 
 
 def test_a_tree_without_drafts_and_ragged_batches():
