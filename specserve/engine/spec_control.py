@@ -29,7 +29,9 @@ the tree's depth d (its drafting steps) among ``tree_depths`` (d <= k; the confi
 depth is the largest): a deep tree accepts more, a shallow one costs less to draft,
 and which wins depends on the drafter and the device.  A tree's E(k, d) is 1 + the
 decayed mean accepted length of the tree rounds of that shape (a tree's acceptance is
-not a product over positions); an unmeasured shape takes the nearest measured one's
+not a product over positions; a shape's rounds decay only as it is observed, so a shape
+tried and found wanting keeps its measure instead of being tried again as soon as other
+shapes' rounds pile up); an unmeasured shape takes the nearest measured one's
 (the same depth first), capped at min(k, d) + 1, and with no tree measured the chain's
 E(k), so trees get tried.  Chains learn per-position acceptance from chain rounds
 only.  Both shapes share step(B, k+1) (the same verified tokens); propose costs are
@@ -180,13 +182,10 @@ class SpecController:
         ``num_accepted`` the accepted path's length."""
         if num_drafts == 0:
             return
-        if tree:
-            for n in self.tree_rounds:
-                self.tree_rounds[n] *= DECAY
-                self.tree_accepted[n] *= DECAY
+        if tree:  # each shape's own rounds decay as it is observed: one tried and left stays measured
             key = (num_drafts, depth)
-            self.tree_rounds[key] = self.tree_rounds.get(key, 0.0) + 1.0
-            self.tree_accepted[key] = self.tree_accepted.get(key, 0.0) + num_accepted
+            self.tree_rounds[key] = self.tree_rounds.get(key, 0.0) * DECAY + 1.0
+            self.tree_accepted[key] = self.tree_accepted.get(key, 0.0) * DECAY + num_accepted
             return
         for i in range(len(self.reached)):
             self.reached[i] *= DECAY
