@@ -38,6 +38,11 @@ only.  Both shapes share step(B, k+1) (the same verified tokens); propose costs 
 kept per shape (a tree round runs d drafting steps over ``topk``-wide frontiers): an
 unmeasured tree shape costs what the nearest measured node count of its depth costs,
 else the measured depths' costs interpolated (or scaled by depth), else the chain's.
+Every measured cost (steps per q, chains per k, trees per depth) is shrunk toward a
+weighted line fitted over all its measured sizes, by a few pseudo-observations: on a
+host whose speed moves from one moment to the next, a size measured a few times in a
+noisy moment cannot look cheaper than a smaller one and steer every later choice
+(unmeasured sizes keep their optimistic assumptions, so they still get tried).
 Ties go to the tree, then to the deeper one (what the configuration asked for).
 Warm-up cycles through the configured tree, a chain and the other depths so each is
 measured; probes and ``fixed`` draft the configured tree.  ``choose`` returns a
@@ -62,13 +67,44 @@ DECAY = 0.98  # per observed step: acceptance and cost estimates follow drift ov
 LOG_INTERVAL_S = 5.0  # at most one INFO line per this many seconds about the choice of K
 
 
+TRUST = 20.0  # observations an estimate counts for at most (a timed graph replay counts this much)
+SHRINK = 5.0  # pseudo-observations of the fitted line behind every cost estimate
+
+
 @dataclass
 class _Ema:
     value: float | None = None
     alpha: float = 0.2
+    n: float = 0.0  # observations behind the value, at most TRUST: its weight beside the others
 
-    def add(self, x: float) -> None:
+    def add(self, x: float, weight: float = 1.0) -> None:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+        self.n = min(self.n + weight, TRUST)
+
+
+def _line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Weighted least squares y = a + b x over (x, y, weight), the slope at least 0 (more
+    verified tokens or drafting steps never cost less); None with fewer than two distinct x."""
+    pts = [(x, y, w) for x, y, w in points if w > 0]
+    if len({x for x, _, _ in pts}) < 2:
+        return None
+    W = sum(w for _, _, w in pts)
+    mx = sum(w * x for x, _, w in pts) / W
+    my = sum(w * y for _, y, w in pts) / W
+    sxx = sum(w * (x - mx) ** 2 for x, _, w in pts)
+    b = max(sum(w * (x - mx) * (y - my) for x, y, w in pts) / sxx, 0.0)
+    return my - b * mx, b
+
+
+def _shrunk(own: "_Ema | None", fit: float | None) -> float | None:
+    """``own``'s value pulled toward the fitted line's ``fit`` by SHRINK pseudo-observations:
+    a cost measured a few times (maybe in a noisy moment) leans on what the other sizes
+    say, one measured often (or timed exactly) keeps its own."""
+    if own is None or own.value is None:
+        return fit
+    if fit is None:
+        return own.value
+    return (own.n * own.value + SHRINK * fit) / (own.n + SHRINK)
 
 
 class Choice(int):
@@ -154,9 +190,10 @@ class SpecController:
 
     # ------------------------------------------------------------------ observations
     def seed_costs(self, table: dict[tuple[int, int], float]) -> None:
-        """Costs per (batch bucket, q) measured up front (timed CUDA graph replays)."""
+        """Costs per (batch bucket, q) measured up front (timed CUDA graph replays: exact,
+        so each counts as a well-observed cost)."""
         for key, seconds in table.items():
-            self.step_cost.setdefault(key, _Ema()).add(seconds)
+            self.step_cost.setdefault(key, _Ema()).add(seconds, weight=TRUST)
 
     def observe_step(self, batch_size: int, q: int | None, step_s: float, propose_s: float | None) -> None:
         """One step's costs; ``propose_s`` None when the step proposed for no request (all
@@ -226,9 +263,15 @@ class SpecController:
         return self.reached[0] + sum(self.tree_rounds.values()) >= self.warmup_rounds
 
     def _cost(self, bucket: int, q: int) -> float | None:
+        """A step of q tokens per sequence in ``bucket``: its measured cost shrunk toward the
+        line fitted over every measured q of the bucket (one noisy measurement cannot make
+        8 tokens look cheaper than 1); an unmeasured q is assumed to cost what q = 1 costs,
+        so it gets tried (None: nothing measured)."""
         ema = self.step_cost.get((bucket, q))
         if ema is not None and ema.value is not None:
-            return ema.value
+            line = _line([(qq, e.value, e.n) for (b, qq), e in self.step_cost.items()
+                          if b == bucket and e.value is not None])
+            return _shrunk(ema, None if line is None else line[0] + line[1] * q)
         base = self.step_cost.get((bucket, 1))
         return None if base is None else base.value
 
@@ -332,47 +375,50 @@ class SpecController:
         return ema is not None and ema.value is not None
 
     def _propose(self, k: int, tree: bool = False, depth: int | None = None) -> float:
-        """Measured cost of proposing k drafts.  A chain's: an unmeasured k is interpolated
-        linearly between the nearest measured k below and above it (drafting is k steps of
-        the same work), else the largest measured cost (0 for k = 0).  A tree's
-        (``_tree_propose``): its own shapes' costs, the chain's while no tree was measured."""
+        """Measured cost of proposing k drafts.  A chain's: a measured k's cost shrunk toward
+        the line fitted over the measured k >= 1; an unmeasured k is interpolated linearly
+        between the nearest measured k below and above it (drafting is k steps of the same
+        work), else the largest measured cost (0 for k = 0).  A tree's (``_tree_propose``):
+        from its own shapes' costs, the chain's while no tree was measured."""
         if tree:
-            known = {m: e.value for m, e in self.tree_propose_cost.items() if e.value is not None}
+            known = {m: e for m, e in self.tree_propose_cost.items() if e.value is not None}
             if known:
                 return self._tree_propose(k, self.full_depth if depth is None else depth, known)
-        ema = self.propose_cost.get(k)
-        if ema is not None and ema.value is not None:
-            return ema.value
-        known_k = {kk: e.value for kk, e in self.propose_cost.items() if e.value is not None}
+        known_k = {kk: e for kk, e in self.propose_cost.items() if e.value is not None}
+        if k in known_k:
+            line = _line([(kk, e.value, e.n) for kk, e in known_k.items() if kk > 0]) if k > 0 else None
+            return _shrunk(known_k[k], None if line is None else line[0] + line[1] * k)
         below = [kk for kk in known_k if kk < k]
         above = [kk for kk in known_k if kk > k]
         if below and above:
             lo, hi = max(below), min(above)
-            return known_k[lo] + (known_k[hi] - known_k[lo]) * (k - lo) / (hi - lo)
-        rest = [v for kk, v in known_k.items() if kk > 0]
+            return known_k[lo].value + (known_k[hi].value - known_k[lo].value) * (k - lo) / (hi - lo)
+        rest = [e.value for kk, e in known_k.items() if kk > 0]
         return 0.0 if k == 0 or not rest else max(rest)
 
     @staticmethod
-    def _tree_propose(k: int, depth: int, known: dict[tuple[int, int], float]) -> float:
-        """A tree shape's proposing cost from the measured ones: (k, depth) itself, else the
-        nearest measured node count at that depth (a round drafts the same levels whatever
-        it keeps), else the measured depths' costs (each at its node count nearest k)
-        interpolated linearly in depth, or outside them scaled by depth from the nearest."""
-        if (k, depth) in known:
-            return known[(k, depth)]
-        by_depth: dict[int, float] = {}
+    def _tree_propose(k: int, depth: int, known: dict[tuple[int, int], _Ema]) -> float:
+        """A tree shape's proposing cost from the measured ones.  A round drafts the same
+        levels whatever it keeps, so the cost follows the depth: a depth measured at some
+        node count (the shape's own, else the nearest) gives its cost, shrunk toward the line
+        fitted over depth from every measured shape; an unmeasured depth is interpolated
+        linearly between the measured depths around it, or outside them scaled by depth
+        from the nearest (so a shallower tree than any measured gets tried)."""
+        by_depth: dict[int, _Ema] = {}
         for d in {d for _, d in known}:
-            n = min((m for m in known if m[1] == d), key=lambda m: (abs(m[0] - k), m[0]))
-            by_depth[d] = known[n]
+            by_depth[d] = known.get((k, d)) or known[min((m for m in known if m[1] == d),
+                                                         key=lambda m: (abs(m[0] - k), m[0]))]
         if depth in by_depth:
-            return by_depth[depth]
+            line = _line([(d, e.value, e.n) for (_, d), e in known.items()])
+            return _shrunk(by_depth[depth], None if line is None else line[0] + line[1] * depth)
         below = [d for d in by_depth if d < depth]
         above = [d for d in by_depth if d > depth]
         if below and above:
             lo, hi = max(below), min(above)
-            return by_depth[lo] + (by_depth[hi] - by_depth[lo]) * (depth - lo) / (hi - lo)
+            return by_depth[lo].value + (by_depth[hi].value - by_depth[lo].value) * (depth - lo) / (hi - lo)
         near = max(below) if below else min(above)
-        return by_depth[near] * depth / near if near > 0 and depth > 0 else by_depth[near]
+        v = by_depth[near].value
+        return v * depth / near if near > 0 and depth > 0 else v
 
 
 def tree_depth_choices(tree) -> tuple[int, ...]:

@@ -418,3 +418,29 @@ def test_the_info_line_says_the_depth_when_it_is_chosen(caplog):
         pick = c.choose(1)
     assert (pick.tree, pick.depth) == (True, 2)
     assert f"speculation: tree of {int(pick)} (depth 2) drafts per step at batch 1 (was tree of 4 (depth 3))" in caplog.text
+
+
+def _ema(value: float, n: float):
+    from specserve.engine.spec_control import _Ema
+
+    e = _Ema(value)
+    e.n = n
+    return e
+
+
+def test_a_cost_measured_in_a_noisy_moment_leans_on_the_other_sizes():
+    """Costs measured a few times are shrunk toward the line fitted over every measured
+    size: a depth-2 tree round timed twice at 5.4 ms (it takes about 3.5) must not look
+    dearer than a depth-4 one timed often at 4.5 ms, nor a step of 8 tokens timed once at
+    9 ms cheaper than one of 2 tokens (the failures seen on a shared 2-core host)."""
+    c = SpecController(7, adaptive=True, trees=True, tree_depths=(2, 3, 4, 5), warmup_rounds=0)
+    c.tree_propose_cost = {(7, 5): _ema(0.00785, 5), (7, 4): _ema(0.00595, 3), (7, 3): _ema(0.00398, 3),
+                           (7, 2): _ema(0.00543, 2), (6, 4): _ema(0.0045, 20)}
+    assert c._propose(7, True, 2) < c._propose(6, True, 4) < c._propose(7, True, 5)
+    assert c._propose(6, True, 4) == pytest.approx(0.0045, rel=0.1)  # well measured: about its own
+    c.step_cost = {(1, q): _ema(0.010 + 0.001 * q, 20) for q in range(1, 8)}
+    c.step_cost[(1, 8)] = _ema(0.009, 1)
+    assert c._cost(1, 8) > c._cost(1, 2)
+    assert c._cost(1, 3) == pytest.approx(0.013, rel=0.02)
+    c.seed_costs({(2, q): 0.020 if q == 4 else 0.010 for q in range(1, 9)})  # timed graphs: kept as timed
+    assert c._cost(2, 4) == pytest.approx(0.020, rel=0.25) and c._cost(2, 3) == pytest.approx(0.010, rel=0.25)
