@@ -15,6 +15,10 @@
  * each node of a draft tree (its softmax sums the keys it sees in plain
  * decoding's order, wherever the step put its ancestors: visible_sum).
  *
+ * The same layer body (layer_run, over a step_plan) also runs a draft head's one
+ * layer from an attention input the caller gives (ss_head_layer; EAGLE-3's input is
+ * built here, ss_eagle3_layer), and ss_norm_logits is a head's norm and LM head.
+ *
  * Built by specserve/kernels/cpu_decoder.py with gcc; the same OpenMP runtime
  * as torch's is used (libgomp is already loaded by torch).
  *

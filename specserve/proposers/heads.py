@@ -3,7 +3,8 @@ the MLP speculator, the DFlash block): attention metadata for their paged KV cac
 a few tensors of a checkpoint, fusing one decoder layer's weights, turning their
 logits into draft tokens (``HeadSampler``) and a round's drafts into a proposal
 (``DraftColumns``, ``narrow``; draft trees: ``TreeLevels``, ``StaticLevels``, ``FrontierMasks``,
-``choose_nodes``).
+``choose_nodes``, ``round_depth``).  ``head_metadata`` with ``FUSED_HEAD`` describes a step
+for a head whose layer runs on the fused CPU decoder.
 
 Drafts and draft distributions (``HeadSampler``):
 
