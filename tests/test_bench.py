@@ -69,14 +69,20 @@ def tiny(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("bench") / "llama", "llama")
 
 
-def test_bench_shows_a_bar_per_run_and_writes_the_greedy_match_line(tiny, tmp_path, capsys):
+def _ngram_bench(tiny, tmp_path, *extra: str):
+    """(config, output path) of a small n-gram benchmark of the tiny model on three prompts."""
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["w1 w2 w3 w1 w2", "w5 w6 w7", "w9 w9 w9 w9"]))
     out = tmp_path / "bench.json"
     cfg = compose_config([f"model.path={tiny}", "model.name=tiny", "model.dtype=float32", "engine.num_kv_blocks=256",
                           "engine.block_size=4", "engine.num_threads=1", "+method=ngram",
                           "method.num_speculative_tokens=2", f"bench.prompts_file={prompts}", "bench.num_prompts=3",
-                          "bench.max_tokens=6", "bench.chat=false", f"bench.output={out}"])  # fmt: skip
+                          "bench.max_tokens=6", "bench.chat=false", f"bench.output={out}", *extra])  # fmt: skip
+    return cfg, out
+
+
+def test_bench_shows_a_bar_per_run_and_writes_the_greedy_match_line(tiny, tmp_path, capsys):
+    cfg, out = _ngram_bench(tiny, tmp_path)
     assert run_bench(cfg) == 0
     stdout, stderr = capsys.readouterr()
     bars = [line for line in stderr.replace("\r", "\n").splitlines() if "3/3" in line]
@@ -122,14 +128,7 @@ def test_interleaved_runs_take_turns_in_rotating_order():
 
 
 def test_bench_interleaves_the_method_with_plain_decoding(tiny, tmp_path):
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(["w1 w2 w3 w1 w2", "w5 w6 w7", "w9 w9 w9 w9"]))
-    out = tmp_path / "bench.json"
-    cfg = compose_config([f"model.path={tiny}", "model.name=tiny", "model.dtype=float32", "engine.num_kv_blocks=256",
-                          "engine.block_size=4", "engine.num_threads=1", "+method=ngram",
-                          "method.num_speculative_tokens=2", f"bench.prompts_file={prompts}", "bench.num_prompts=3",
-                          "bench.max_tokens=6", "bench.chat=false", f"bench.output={out}", "bench.interleave=true",
-                          "bench.baselines=[specserve_vanilla]"])  # fmt: skip
+    cfg, out = _ngram_bench(tiny, tmp_path, "bench.interleave=true", "bench.baselines=[specserve_vanilla]")
     assert run_bench(cfg) == 0
     report = json.loads(out.read_text())
     runs = report["runs"]

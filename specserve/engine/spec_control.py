@@ -96,6 +96,17 @@ def _line(points: list[tuple[float, float, float]]) -> tuple[float, float] | Non
     return my - b * mx, b
 
 
+def _between(values: dict[int, float], x: int) -> float | None:
+    """``values`` interpolated linearly at ``x`` between the nearest sizes below and above
+    it; None unless both exist."""
+    below = [v for v in values if v < x]
+    above = [v for v in values if v > x]
+    if not below or not above:
+        return None
+    lo, hi = max(below), min(above)
+    return values[lo] + (values[hi] - values[lo]) * (x - lo) / (hi - lo)
+
+
 def _shrunk(own: "_Ema | None", fit: float | None) -> float | None:
     """``own``'s value pulled toward the fitted line's ``fit`` by SHRINK pseudo-observations:
     a cost measured a few times (maybe in a noisy moment) leans on what the other sizes
@@ -388,11 +399,9 @@ class SpecController:
         if k in known_k:
             line = _line([(kk, e.value, e.n) for kk, e in known_k.items() if kk > 0]) if k > 0 else None
             return _shrunk(known_k[k], None if line is None else line[0] + line[1] * k)
-        below = [kk for kk in known_k if kk < k]
-        above = [kk for kk in known_k if kk > k]
-        if below and above:
-            lo, hi = max(below), min(above)
-            return known_k[lo].value + (known_k[hi].value - known_k[lo].value) * (k - lo) / (hi - lo)
+        between = _between({kk: e.value for kk, e in known_k.items()}, k)
+        if between is not None:
+            return between
         rest = [e.value for kk, e in known_k.items() if kk > 0]
         return 0.0 if k == 0 or not rest else max(rest)
 
@@ -411,12 +420,10 @@ class SpecController:
         if depth in by_depth:
             line = _line([(d, e.value, e.n) for (_, d), e in known.items()])
             return _shrunk(by_depth[depth], None if line is None else line[0] + line[1] * depth)
-        below = [d for d in by_depth if d < depth]
-        above = [d for d in by_depth if d > depth]
-        if below and above:
-            lo, hi = max(below), min(above)
-            return by_depth[lo].value + (by_depth[hi].value - by_depth[lo].value) * (depth - lo) / (hi - lo)
-        near = max(below) if below else min(above)
+        between = _between({d: e.value for d, e in by_depth.items()}, depth)
+        if between is not None:
+            return between
+        near = min(by_depth, key=lambda d: (abs(d - depth), d))
         v = by_depth[near].value
         return v * depth / near if near > 0 and depth > 0 else v
 
