@@ -415,29 +415,29 @@ def run_bench(cfg: Config) -> int:
     if warm:
         run_engine(engine, warm, 8, 1)
     counter.__init__(max(k, 1))
-    vanilla = None
-    interleave = b.interleave and "specserve_vanilla" in b.baselines and cfg.method is not None
-    if interleave:  # the method and plain decoding in turns (bench.interleave)
-        vanilla = LLMEngine(Config(**{**cfg.__dict__, "method": None}), target=target)
+
+    def plain_engine() -> LLMEngine:  # the same engine without the method, warmed up
+        plain = LLMEngine(Config(**{**cfg.__dict__, "method": None}), target=target) if cfg.method is not None else engine
         if warm:
-            run_engine(vanilla, warm, 8, 1)
+            run_engine(plain, warm, 8, 1)
+        return plain
+
+    vanilla = None
+    if b.interleave and "specserve_vanilla" in b.baselines and cfg.method is not None:
+        vanilla = plain_engine()  # the method and plain decoding in turns (bench.interleave)
         runs.update(run_interleaved({"specserve": engine, "specserve_vanilla": vanilla}, prompts, b.max_tokens,
                                     b.concurrency))
-        runs["specserve_vanilla"].extra.update(concurrency=b.concurrency, interleaved=True)
-        runs["specserve"].extra["interleaved"] = True
+        runs["specserve"].extra["interleaved"] = runs["specserve_vanilla"].extra["interleaved"] = True
     else:
         runs["specserve"] = run_engine(engine, prompts, b.max_tokens, b.concurrency, desc="specserve")
+        if "specserve_vanilla" in b.baselines:
+            vanilla = plain_engine()
+            runs["specserve_vanilla"] = run_engine(vanilla, prompts, b.max_tokens, b.concurrency,
+                                                   desc="specserve_vanilla")
     runs["specserve"].extra.update(counter.summary())
     runs["specserve"].extra["concurrency"] = b.concurrency
-
-    if "specserve_vanilla" in b.baselines and not interleave:
-        vcfg = Config(**{**cfg.__dict__, "method": None})
-        vanilla = LLMEngine(vcfg, target=target) if cfg.method is not None else engine
-        if warm:
-            run_engine(vanilla, warm, 8, 1)
-        runs["specserve_vanilla"] = run_engine(vanilla, prompts, b.max_tokens, b.concurrency, desc="specserve_vanilla")
-        runs["specserve_vanilla"].extra["concurrency"] = b.concurrency
     if vanilla is not None:
+        runs["specserve_vanilla"].extra["concurrency"] = b.concurrency
         if b.concurrency > 1:
             runs["specserve_vanilla_concurrency1"] = run_engine(vanilla, prompts, b.max_tokens, 1,
                                                                 desc="specserve_vanilla_concurrency1")

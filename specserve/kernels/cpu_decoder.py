@@ -385,9 +385,16 @@ class CpuDecoder:
         """Run the stack; token i of a sequence sits at context index start + i.
         ``positions`` (T,): rotary positions (default start + i); ``tree_base`` (B,) and
         ``tree_masks`` (T,): draft trees, the rule of ``executor.batch`` (both or neither)."""
+        return self.run(input_ids, FusedStepArgs.build(seqs, block_tables, positions, tree_base, tree_masks),
+                        aux_layer_ids)
+
+    def run(self, input_ids: Sequence[int], step: FusedStepArgs,
+            aux_layer_ids: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+        """``forward`` over a step's layout already built (``FusedStepArgs.from_batch``):
+        the final-normed hidden states (T, H) and the residual streams entering
+        ``aux_layer_ids``, float32."""
         T, H = len(input_ids), self.a.hidden_size
         ids = torch.tensor(input_ids, dtype=torch.int64)
-        step = FusedStepArgs.build(seqs, block_tables, positions, tree_base, tree_masks)
         out = torch.empty(T, H, dtype=torch.float32)
         aux: dict[int, Tensor] = {}
         aux_ptrs = None
@@ -399,8 +406,8 @@ class CpuDecoder:
             aux_ptrs = ctypes.addressof(arr)
         info, tables, width, pos, base, masks = step.pointers()
         self.lib.ss_set_num_threads(torch.get_num_threads())  # per calling thread in OpenMP
-        _check_rc(self.lib.ss_forward(ctypes.addressof(self._model), T, _ptr(ids), len(seqs), info, tables, width,
-                                      _ptr(out), aux_ptrs, pos, base, masks))
+        _check_rc(self.lib.ss_forward(ctypes.addressof(self._model), T, _ptr(ids), step.info.shape[0], info, tables,
+                                      width, _ptr(out), aux_ptrs, pos, base, masks))
         return out, aux
 
     def logits(self, hidden: Tensor) -> Tensor:

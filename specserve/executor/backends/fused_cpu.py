@@ -21,6 +21,7 @@ from specserve.executor.batch import StepBatch
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel
 from specserve.executor.runner import ForwardOutput, Supports
+from specserve.kernels.cpu_decoder import FusedStepArgs
 
 
 def load_decoder(loaded: LoadedModel, kv: KVCache, cache_dir: Path) -> Any:
@@ -53,12 +54,9 @@ class FusedCpuRunner(TorchRunner):
             batch.token_ids = device_token_ids.tolist()
         if self.fused_max_tokens is not None and batch.num_tokens > self.fused_max_tokens:
             return super().execute(batch, aux_layer_ids)
-        qs = batch.query_start
-        info = [(qs[b], qs[b + 1] - qs[b], batch.seq_lens[b] - (qs[b + 1] - qs[b])) for b in range(batch.num_seqs)]
         L = self.loaded.arch.num_layers
-        hidden, aux = self.fused.forward(batch.token_ids, info, batch.block_tables,
-                                         tuple(i for i in aux_layer_ids if i < L), positions=batch.positions,
-                                         tree_base=batch.tree_base, tree_masks=batch.tree_masks)
+        hidden, aux = self.fused.run(batch.token_ids, FusedStepArgs.from_batch(batch),
+                                     tuple(i for i in aux_layer_ids if i < L))
         if L in aux_layer_ids:
             aux[L] = hidden  # the kernel's output rows are the final-normed states
         rows = batch.logits_rows

@@ -168,13 +168,11 @@ class EagleHead(nn.Module):
     ) -> Tensor:
         """One paged step over a flattened batch: ids (T,), hidden (T, H) -> the
         layer's output (T, H) (pre-norm: what the next step feeds back)."""
-        if meta.fused is not None:  # the layer in one call on the fused CPU decoder
-            f = self.fused
-            if f.eagle3 is not None:
-                return f.eagle3_layer(ids, hidden, meta.fused).to(hidden.dtype)
-            residual, x = self.step_input(ids, hidden)
-            return f(x, residual, meta.fused).to(x.dtype)
+        if meta.fused is not None and self.fused.eagle3 is not None:  # input and layer in one fused call
+            return self.fused.eagle3_layer(ids, hidden, meta.fused).to(hidden.dtype)
         residual, x = self.step_input(ids, hidden)
+        if meta.fused is not None:  # the layer in one call on the fused CPU decoder
+            return self.fused(x, residual, meta.fused).to(x.dtype)
         cos, sin = self.rotary.tables(positions, x.dtype)
         q, k, v = self.layer.qkv(x, cos, sin)
         attn = write_and_attend(q, k, v, kv[0], kv[1], meta)  # (T, nh, hd)
