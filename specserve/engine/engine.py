@@ -184,6 +184,7 @@ class LLMEngine:
                                            tree_depths=tree_depth_choices(spec.tree) if trees else (0,))
         if plan.graphs:
             self.spec_control.seed_costs(self.runner.static.time_graphs())
+        self.draft_confidence_threshold = e.draft_confidence_threshold  # None: spec_control.draft_cut
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
                                    self.max_model_len, e.long_prefill_token_threshold,
                                    pending_drafts=lambda seq: self.requests.num_pending_drafts(seq))
@@ -466,8 +467,12 @@ class LLMEngine:
         # the proposer nor counted by the controller: it costs what plain decoding costs.
         live = [(b, s) for b, s in enumerate(scheduled)
                 if not s.seq.finished and s.seq.params.num_speculative_tokens != 0]
-        choice = self.spec_control.choose(sum(1 for _, s in live if s.sample))
+        num_sampled = sum(1 for _, s in live if s.sample)
+        choice = self.spec_control.choose(num_sampled)
         num_drafts = int(choice)
+        cut = self.draft_confidence_threshold
+        if cut is None:
+            cut = self.spec_control.draft_cut(num_sampled)
         reqs: list[DraftRequest] = []
         for b, s in live:
             seq = s.seq
@@ -477,7 +482,8 @@ class LLMEngine:
                        self.max_model_len - len(seq.token_ids) - 1) if s.sample else 0
             start = batch.query_start[b]
             reqs.append(DraftRequest(seq, max(room, 0), self._hidden_rows(s, start, committed),
-                                     tree=choice.tree and self._may_draft_tree(seq), tree_depth=choice.depth or None))
+                                     tree=choice.tree and self._may_draft_tree(seq), tree_depth=choice.depth or None,
+                                     min_confidence=cut))
         if not reqs:
             return False
         if self.predictions is not None:
@@ -489,7 +495,7 @@ class LLMEngine:
                 parents = prop.parents[i] if prop.parents is not None else None  # a tree's structure
                 self.requests[r.seq.request_id].drafts = Drafts(
                     list(toks[: r.max_drafts]), prop.probs[i] if prop.probs is not None else None, n_pred,
-                    parents[: r.max_drafts] if parents is not None else None, choice.depth)
+                    parents[: r.max_drafts] if parents is not None else None, choice.depth, r.max_drafts)
         return True
 
     def _verify(self, scheduled: list[ScheduledSeq], fwd) -> None:
@@ -624,7 +630,8 @@ class LLMEngine:
                 seq.spec_stats.num_drafts += 1
                 seq.spec_stats.num_draft_tokens += len(d)
                 seq.spec_stats.num_accepted_tokens += a
-                self.spec_control.observe_drafts(len(d), a, tree=s.drafts.parents is not None, depth=s.drafts.depth)
+                self.spec_control.observe_drafts(len(d), a, tree=s.drafts.parents is not None, depth=s.drafts.depth,
+                                                 room=s.drafts.room)
             n_pred = s.drafts.num_from_prediction  # leading drafts from the request's prediction
             stage = "updating its draft state"
             try:

@@ -9,7 +9,9 @@ the expected tokens per second of the next step:
     time(k)   = step(B, k+1) + propose(k)
 
 where a_j is the measured probability that draft j is accepted given drafts
-1..j-1 were (counts per position, decayed), step(B, q) the measured wall time
+1..j-1 were (counts per position, decayed; a chain its drafter stopped before j for
+want of confidence counts as not accepted there, so E(k) is what choosing k
+yields), step(B, q) the measured wall time
 of a step with batch bucket B (``executor.batch.batch_bucket``: the buckets
 CUDA graphs are captured for, up to ``max_num_seqs``) and q tokens per
 sequence (seeded from timed graph replays when the runner has them, else
@@ -42,7 +44,14 @@ Every measured cost (steps per q, chains per k, trees per depth) is shrunk towar
 weighted line fitted over all its measured sizes, by a few pseudo-observations: on a
 host whose speed moves from one moment to the next, a size measured a few times in a
 noisy moment cannot look cheaper than a smaller one and steer every later choice
-(unmeasured sizes keep their optimistic assumptions, so they still get tried).
+(unmeasured sizes keep their optimistic assumptions, so they still get tried), and a
+size's weight fades as the other sizes of its family are timed: a cost measured long ago,
+in a slower or faster moment, leans on the line through the recent timings instead of
+steering every later choice (a size timed once in a slow moment is otherwise never chosen,
+so never timed again).
+Within a chosen chain length, each request's drafting stops early where its drafter is
+unsure (``draft_cut``): the cumulative draft probability below which one more draft is
+expected to cost more than it saves, from the same measured costs and acceptance.
 Ties go to the tree, then to the deeper one (what the configuration asked for).
 Warm-up cycles through the configured tree, a chain and the other depths so each is
 measured; probes and ``fixed`` draft the configured tree.  ``choose`` returns a
@@ -69,6 +78,7 @@ LOG_INTERVAL_S = 5.0  # at most one INFO line per this many seconds about the ch
 
 TRUST = 20.0  # observations an estimate counts for at most (a timed graph replay counts this much)
 SHRINK = 5.0  # pseudo-observations of the fitted line behind every cost estimate
+MAX_CUT = 0.5  # the highest derived draft confidence cut (SpecController.draft_cut)
 
 
 @dataclass
@@ -80,6 +90,15 @@ class _Ema:
     def add(self, x: float, weight: float = 1.0) -> None:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
         self.n = min(self.n + weight, TRUST)
+
+
+def _observe(costs: dict, key, seconds: float, family: Callable[[object], bool] = lambda key: True) -> None:
+    """One timing of ``key``; the other sizes of its family (``family(key)``) fade by DECAY,
+    so their old timings weigh less in the fitted line and lean more on it."""
+    for other, e in costs.items():
+        if other != key and family(other):
+            e.n *= DECAY
+    costs.setdefault(key, _Ema()).add(seconds)
 
 
 def _line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -212,22 +231,26 @@ class SpecController:
         if batch_size == 0:
             return
         if q is not None:  # only fixed-shape steps say what a (bucket, q) costs
-            self.step_cost.setdefault((self.bucket(batch_size), q), _Ema()).add(step_s)
+            bucket = self.bucket(batch_size)
+            _observe(self.step_cost, (bucket, q), step_s, lambda key: key[0] == bucket)
         if propose_s is not None:
             if self.tree:
-                self.tree_propose_cost.setdefault((self.num_drafts, self.depth), _Ema()).add(propose_s)
+                _observe(self.tree_propose_cost, (self.num_drafts, self.depth), propose_s)
             else:
-                self.propose_cost.setdefault(self.num_drafts, _Ema()).add(propose_s)
+                _observe(self.propose_cost, self.num_drafts, propose_s)
 
     def bucket(self, batch_size: int) -> int:
         """The batch bucket whose costs a batch of ``batch_size`` requests reads and updates."""
         return batch_bucket(batch_size, self.max_num_seqs)
 
-    def observe_drafts(self, num_drafts: int, num_accepted: int, tree: bool = False, depth: int = 0) -> None:
+    def observe_drafts(self, num_drafts: int, num_accepted: int, tree: bool = False, depth: int = 0,
+                       room: int = 0) -> None:
         """One request's verification: drafts 1..num_accepted were accepted, and draft
         num_accepted + 1 (if drafted) was the first rejected.  ``tree``: the drafts were
         a tree's ``num_drafts`` nodes drafted at ``depth`` (the choice that proposed them),
-        ``num_accepted`` the accepted path's length."""
+        ``num_accepted`` the accepted path's length.  ``room``: the drafts the round asked
+        for; a chain its drafter stopped short of them (a confidence cut) counts as having
+        reached the next position and given nothing there."""
         if num_drafts == 0:
             return
         if tree:  # each shape's own rounds decay as it is observed: one tried and left stays measured
@@ -238,7 +261,9 @@ class SpecController:
         for i in range(len(self.reached)):
             self.reached[i] *= DECAY
             self.accepted[i] *= DECAY
-        for i in range(min(num_drafts, num_accepted + 1)):
+        # A chain the drafter stopped short of ``room`` (a confidence cut) reached the next
+        # position too, and gave nothing there: E(k) is then what choosing k yields.
+        for i in range(min(max(num_drafts, room), num_accepted + 1, len(self.reached))):
             self.reached[i] += 1.0
             if i < num_accepted:
                 self.accepted[i] += 1.0
@@ -380,6 +405,34 @@ class SpecController:
             if rate > best_rate:
                 best, best_rate = Choice(k, tree, d), rate
         return best
+
+    def draft_cut(self, batch_size: int) -> float:
+        """The confidence below which a chain stops drafting (``DraftRequest.min_confidence``):
+        draft i + 1 runs only while the drafter's cumulative probability of drafts 1..i
+        (its estimate that all of them are accepted) times the conditional acceptance
+        measured past the first position is worth more of a step than one more draft
+        costs, i.e. while it is at least
+
+            theta = (propose slope per draft + step slope per verified token) / (a * step(B, 1))
+
+        with both slopes from the weighted lines over the measured sizes.  0 (never cut)
+        while speculating at a fixed K, before warm-up, or until two chain lengths and two
+        query lengths are measured; at most ``MAX_CUT``."""
+        if not self.adaptive or batch_size == 0 or not self._warm():
+            return 0.0
+        bucket = self.bucket(batch_size)
+        base = self._cost(bucket, 1)
+        prop = _line([(k, e.value, e.n) for k, e in self.propose_cost.items() if k > 0 and e.value is not None])
+        step = _line([(q, e.value, e.n) for (b, q), e in self.step_cost.items() if b == bucket and e.value is not None])
+        if not base or prop is None or step is None:
+            return 0.0
+        reached, accepted = sum(self.reached[1:]), sum(self.accepted[1:])
+        if reached < 0.5:
+            reached, accepted = self.reached[0], self.accepted[0]
+        a = accepted / reached if reached > 0.5 else 0.5
+        if a <= 0.0:
+            return MAX_CUT
+        return min((prop[1] + step[1]) / (a * base), MAX_CUT)
 
     def _cost_known(self, bucket: int, q: int) -> bool:
         ema = self.step_cost.get((bucket, q))

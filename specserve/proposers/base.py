@@ -86,6 +86,10 @@ class DraftRequest:
     # The most drafting steps (levels) a tree gets this round, as adaptive speculation
     # chose (``heads.round_depth``); None: method.tree.depth.
     tree_depth: int | None = None
+    # A chain's drafting stops after the draft at which the drafter's cumulative
+    # probability of its drafts so far (the product of each draft's probability under
+    # the drafter) falls below this (``heads.DraftColumns``); 0: always max_drafts.
+    min_confidence: float = 0.0
 
 
 @dataclass

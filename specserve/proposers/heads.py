@@ -94,14 +94,24 @@ class DraftColumns:
     """One round's drafts, drawn a column (one draft per drafting request) at a time by
     ``sampler``; the tokens stay on the device until ``proposal`` reads them all.
     ``index[a]``, ``seqs[a]``, ``want[a]``: drafter a's request index (its row of the
-    proposal), sequence and number of drafts."""
+    proposal), sequence and number of drafts.
 
-    def __init__(self, sampler: HeadSampler, num_requests: int, index: list[int], seqs: list, want: list[int]):
-        self.sampler, self.index, self.seqs = sampler, index, seqs
+    ``cut[a]`` (``DraftRequest.min_confidence``; None: no cuts): once drafter a's
+    cumulative draft probability (the product over its drafts so far of each one's
+    probability under the drafter's distribution: the argmax's softmax probability for
+    a greedy draft, q of the drawn token for a sampled one) falls below it, ``want[a]``
+    drops to the drafts drawn so far.  ``want`` is the proposer's own list, so the
+    ``narrow`` of its drafting loop stops that drafter there."""
+
+    def __init__(self, sampler: HeadSampler, num_requests: int, index: list[int], seqs: list, want: list[int],
+                 cut: list[float] | None = None):
+        self.sampler, self.index, self.seqs, self.want = sampler, index, seqs, want
         self.probs = None  # (num_requests, max(want), V) draft distributions when some request samples
         if sampler.needs_q(seqs):
             self.probs = torch.zeros(num_requests, max(want), sampler.vocab_size, device=sampler.device)
         self.columns: list[tuple[list[int], Tensor]] = []
+        self.cut = cut if cut is not None and any(c > 0.0 for c in cut) else None
+        self.confidence = [1.0] * len(index)  # per drafter: the product of its drafts' probabilities
 
     def draw(self, logits: Tensor, live: list[int], col: int) -> Tensor:
         """Column ``col`` (0-based) of the drafters ``live`` from their logits (len(live), V)."""
@@ -112,7 +122,22 @@ class DraftColumns:
         if q is not None:
             self.probs[torch.tensor(rows, device=self.sampler.device), col] = q
         self.columns.append((rows, tokens))
+        if self.cut is not None:
+            self._cut(logits, live, col, tokens, q)
         return tokens
+
+    def _cut(self, logits: Tensor, live: list[int], col: int, tokens: Tensor, q: Tensor | None) -> None:
+        """Stop the drafters of ``live`` whose cumulative probability fell below their cut
+        with the column ``col`` just drawn (one read of len(live) numbers)."""
+        x = logits.float()
+        p = torch.exp(x.max(dim=-1).values - torch.logsumexp(x, dim=-1))  # a greedy draft's probability
+        if q is not None:  # sampled rows: q of the drawn token (q is one-hot on greedy rows)
+            sampled = torch.tensor([self.seqs[a].params.temperature >= GREEDY_EPS for a in live], device=p.device)
+            p = torch.where(sampled, q.gather(1, tokens[:, None])[:, 0], p)
+        for a, pa in zip(live, p.tolist()):
+            self.confidence[a] *= pa
+            if self.confidence[a] < self.cut[a]:
+                self.want[a] = min(self.want[a], col + 1)
 
     def proposal(self, drafts: list[list[int]]) -> Proposal:
         read_columns(drafts, self.columns)

@@ -292,7 +292,8 @@ class MTPProposer(OwnCacheHead):
     def _draft(self, requests, drafting, h: Tensor, y: Tensor, drafts: list[list[int]]) -> Proposal:
         want = [min(self.num_spec_tokens, requests[i].max_drafts) for i, _, _ in drafting]
         out = DraftColumns(self.sampler, len(requests), [i for i, _, _ in drafting],
-                           [requests[i].seq for i, _, _ in drafting], want)
+                           [requests[i].seq for i, _, _ in drafting], want,
+                           [requests[i].min_confidence for i, _, _ in drafting])
         active = list(range(len(drafting)))
         s = 1
         while True:

@@ -444,3 +444,35 @@ def test_a_cost_measured_in_a_noisy_moment_leans_on_the_other_sizes():
     assert c._cost(1, 3) == pytest.approx(0.013, rel=0.02)
     c.seed_costs({(2, q): 0.020 if q == 4 else 0.010 for q in range(1, 9)})  # timed graphs: kept as timed
     assert c._cost(2, 4) == pytest.approx(0.020, rel=0.25) and c._cost(2, 3) == pytest.approx(0.010, rel=0.25)
+
+
+def test_a_cost_timed_in_a_slow_moment_fades_into_the_line_of_the_recent_ones():
+    """Proposing 2 drafts timed only while the host was slow (5 ms) and never chosen again:
+    as 1 and 3 drafts keep being timed (1 and 3 ms), its weight fades and its estimate
+    moves to the line through them (2 ms), where it wins again."""
+    c = SpecController(3, adaptive=True)
+    c.num_drafts = 2
+    for _ in range(30):
+        c.observe_step(1, None, 0.0, 0.005)
+    stale = c._propose(2)
+    assert stale == pytest.approx(0.005, rel=0.25)
+    for i in range(200):
+        c.num_drafts = 1 if i % 2 else 3
+        c.observe_step(1, None, 0.0, 0.001 if c.num_drafts == 1 else 0.003)
+    assert c.propose_cost[2].n < 1.0  # faded
+    assert c._propose(2) == pytest.approx(0.002, abs=0.0005)
+
+
+def test_a_chain_stopped_short_counts_as_reaching_the_next_position():
+    """A round asked for 3 drafts, the drafter stopped after 1 (a confidence cut) and it was
+    accepted: position 2 was reached and gave nothing, so E(k) is what choosing k yields."""
+    c = SpecController(3, adaptive=True)
+    for _ in range(10):
+        c.observe_drafts(1, 1, room=3)
+    assert c.reached[:3] == pytest.approx([c.reached[0], c.reached[0], 0.0]) and c.reached[0] > 0
+    assert c.accepted[1] == 0.0
+    assert c.expected_tokens(3) == pytest.approx(2.0)  # one token from the draft, one from the step
+    plain = SpecController(3, adaptive=True)
+    for _ in range(10):
+        plain.observe_drafts(1, 1)  # without room: nothing is known past the draft
+    assert plain.reached[1] == 0.0
