@@ -93,12 +93,12 @@ class EngineConfig:
     # off while it costs more than it saves); "auto" = adaptive with a method; Predicted
     # Outputs alone (no method): adaptive on CUDA, fixed on the CPU.
     speculation: str = "auto"
-    # A chain's drafting stops once the drafter's cumulative probability of its drafts
-    # so far falls below this (the drafts it is unsure of are neither drafted nor
-    # verified).  None = derived each step from the measured costs and acceptance with
-    # adaptive speculation (spec_control.SpecController.draft_cut), no cut at a fixed K;
-    # 0 = never cut; in (0, 1) = this threshold in every mode.
-    draft_confidence_threshold: float | None = None
+    # A head method's chain stops drafting once the drafter's cumulative probability of
+    # its drafts so far falls below this (the drafts it is unsure of are neither drafted
+    # nor verified): 0 = never (the default), a number in (0, 1) = that threshold,
+    # "auto" = derived each step from the measured costs and acceptance with adaptive
+    # speculation (spec_control.SpecController.draft_cut; no cut at a fixed K).
+    draft_confidence_threshold: Any = 0.0
     # Predicted Outputs (a request's `prediction`): at most this many drafts per step
     # come from the prediction; with a method, at most its K.  Without a method this is
     # the engine's K (verification room), so predictions need no method; 0 = ignore them.
@@ -472,8 +472,8 @@ def validate_config(cfg: Config) -> Config:
     _choice("engine.rejection_backend", e.rejection_backend, KERNEL_BACKENDS)
     _choice("engine.speculation", e.speculation, SPECULATION_MODES)
     t = e.draft_confidence_threshold
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0):
-        raise ConfigError("engine.draft_confidence_threshold", f"must be a number in [0, 1) or null, got {t!r}")
+    if t != "auto" and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0):
+        raise ConfigError("engine.draft_confidence_threshold", f'must be a number in [0, 1) or "auto", got {t!r}')
     _int("engine.num_prediction_tokens", e.num_prediction_tokens, 0)
     if e.num_prediction_tokens > MAX_SPECULATIVE_TOKENS:
         raise ConfigError("engine.num_prediction_tokens", f"must be <= {MAX_SPECULATIVE_TOKENS}, got {e.num_prediction_tokens}")

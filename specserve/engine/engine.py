@@ -184,7 +184,7 @@ class LLMEngine:
                                            tree_depths=tree_depth_choices(spec.tree) if trees else (0,))
         if plan.graphs:
             self.spec_control.seed_costs(self.runner.static.time_graphs())
-        self.draft_confidence_threshold = e.draft_confidence_threshold  # None: spec_control.draft_cut
+        self.draft_confidence_threshold = e.draft_confidence_threshold  # "auto": spec_control.draft_cut
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
                                    self.max_model_len, e.long_prefill_token_threshold,
                                    pending_drafts=lambda seq: self.requests.num_pending_drafts(seq))
@@ -471,7 +471,7 @@ class LLMEngine:
         choice = self.spec_control.choose(num_sampled)
         num_drafts = int(choice)
         cut = self.draft_confidence_threshold
-        if cut is None:
+        if cut == "auto":
             cut = self.spec_control.draft_cut(num_sampled)
         reqs: list[DraftRequest] = []
         for b, s in live:
@@ -495,7 +495,7 @@ class LLMEngine:
                 parents = prop.parents[i] if prop.parents is not None else None  # a tree's structure
                 self.requests[r.seq.request_id].drafts = Drafts(
                     list(toks[: r.max_drafts]), prop.probs[i] if prop.probs is not None else None, n_pred,
-                    parents[: r.max_drafts] if parents is not None else None, choice.depth, r.max_drafts)
+                    parents[: r.max_drafts] if parents is not None else None, choice.depth)
         return True
 
     def _verify(self, scheduled: list[ScheduledSeq], fwd) -> None:
@@ -630,8 +630,7 @@ class LLMEngine:
                 seq.spec_stats.num_drafts += 1
                 seq.spec_stats.num_draft_tokens += len(d)
                 seq.spec_stats.num_accepted_tokens += a
-                self.spec_control.observe_drafts(len(d), a, tree=s.drafts.parents is not None, depth=s.drafts.depth,
-                                                 room=s.drafts.room)
+                self.spec_control.observe_drafts(len(d), a, tree=s.drafts.parents is not None, depth=s.drafts.depth)
             n_pred = s.drafts.num_from_prediction  # leading drafts from the request's prediction
             stage = "updating its draft state"
             try:

@@ -54,16 +54,12 @@ class Drafts:
     # parents first), verified as a tree in one forward; None: a chain.
     parents: list[int] | None = None
     depth: int = 0  # a tree's drafting steps as adaptive speculation chose them (0: as configured)
-    # The drafts the round asked for (DraftRequest.max_drafts): more than len(token_ids)
-    # where the drafter stopped early (a confidence cut, no n-gram match).
-    room: int = 0
 
     def first(self, n: int) -> Drafts:
         """The first ``n`` drafts (those the scheduler made room for this step); a tree's
         first ``n`` nodes are a tree too (parents come first)."""
         parents = self.parents[:n] if self.parents is not None else None
-        return Drafts(self.token_ids[:n], self.probs, min(self.num_from_prediction, n), parents, self.depth,
-                      min(self.room, n))
+        return Drafts(self.token_ids[:n], self.probs, min(self.num_from_prediction, n), parents, self.depth)
 
 
 @dataclass

@@ -9,9 +9,7 @@ the expected tokens per second of the next step:
     time(k)   = step(B, k+1) + propose(k)
 
 where a_j is the measured probability that draft j is accepted given drafts
-1..j-1 were (counts per position, decayed; a chain its drafter stopped before j for
-want of confidence counts as not accepted there, so E(k) is what choosing k
-yields), step(B, q) the measured wall time
+1..j-1 were (counts per position, decayed), step(B, q) the measured wall time
 of a step with batch bucket B (``executor.batch.batch_bucket``: the buckets
 CUDA graphs are captured for, up to ``max_num_seqs``) and q tokens per
 sequence (seeded from timed graph replays when the runner has them, else
@@ -44,14 +42,15 @@ Every measured cost (steps per q, chains per k, trees per depth) is shrunk towar
 weighted line fitted over all its measured sizes, by a few pseudo-observations: on a
 host whose speed moves from one moment to the next, a size measured a few times in a
 noisy moment cannot look cheaper than a smaller one and steer every later choice
-(unmeasured sizes keep their optimistic assumptions, so they still get tried), and a
-size's weight fades as the other sizes of its family are timed: a cost measured long ago,
-in a slower or faster moment, leans on the line through the recent timings instead of
-steering every later choice (a size timed once in a slow moment is otherwise never chosen,
-so never timed again).
-Within a chosen chain length, each request's drafting stops early where its drafter is
-unsure (``draft_cut``): the cumulative draft probability below which one more draft is
-expected to cost more than it saves, from the same measured costs and acceptance.
+(unmeasured sizes keep their optimistic assumptions, so they still get tried).  And
+every timing is stored relative to the host's current speed
+(``level``: each step's time over what its size was measured to cost, followed fast):
+sizes are compared at one speed, so a slow spell while one size runs does not make the
+sizes timed before it look cheaper, and the choice does not flap with the host's load.
+With ``engine.draft_confidence_threshold=auto`` each request's chain also stops early
+where its drafter is unsure (``draft_cut``): the cumulative draft probability below which
+one more draft is expected to cost more than it saves, from the same measured costs and
+acceptance.
 Ties go to the tree, then to the deeper one (what the configuration asked for).
 Warm-up cycles through the configured tree, a chain and the other depths so each is
 measured; probes and ``fixed`` draft the configured tree.  ``choose`` returns a
@@ -78,6 +77,7 @@ LOG_INTERVAL_S = 5.0  # at most one INFO line per this many seconds about the ch
 
 TRUST = 20.0  # observations an estimate counts for at most (a timed graph replay counts this much)
 SHRINK = 5.0  # pseudo-observations of the fitted line behind every cost estimate
+LEVEL_ALPHA = 0.3  # how fast SpecController.level follows the host's speed
 MAX_CUT = 0.5  # the highest derived draft confidence cut (SpecController.draft_cut)
 
 
@@ -92,13 +92,6 @@ class _Ema:
         self.n = min(self.n + weight, TRUST)
 
 
-def _observe(costs: dict, key, seconds: float, family: Callable[[object], bool] = lambda key: True) -> None:
-    """One timing of ``key``; the other sizes of its family (``family(key)``) fade by DECAY,
-    so their old timings weigh less in the fitted line and lean more on it."""
-    for other, e in costs.items():
-        if other != key and family(other):
-            e.n *= DECAY
-    costs.setdefault(key, _Ema()).add(seconds)
 
 
 def _line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -184,6 +177,10 @@ class SpecController:
     tree_rounds: dict[tuple[int, int], float] = field(default_factory=dict)
     tree_accepted: dict[tuple[int, int], float] = field(default_factory=dict)
     tree_propose_cost: dict[tuple[int, int], _Ema] = field(default_factory=dict)
+    # The host's speed relative to when the costs were learned (every step's timing over
+    # its size's estimate, LEVEL_ALPHA per step): timings are stored divided by it, so a
+    # slow spell raises the level instead of the cost of whatever size ran during it.
+    level: float = 1.0
     _steps_off: int = 0
     _interval: int = 0  # steps off before the next probe (probe_every, doubling)
     _probed: bool = False  # the previous choice was a probe
@@ -232,25 +229,25 @@ class SpecController:
             return
         if q is not None:  # only fixed-shape steps say what a (bucket, q) costs
             bucket = self.bucket(batch_size)
-            _observe(self.step_cost, (bucket, q), step_s, lambda key: key[0] == bucket)
+            expected = self._cost(bucket, q) if self._cost_known(bucket, q) else None
+            if expected:  # the host's speed now, against what this size was measured to cost
+                self.level += LEVEL_ALPHA * (step_s / expected - self.level)
+            self.step_cost.setdefault((bucket, q), _Ema()).add(step_s / self.level)
         if propose_s is not None:
             if self.tree:
-                _observe(self.tree_propose_cost, (self.num_drafts, self.depth), propose_s)
+                self.tree_propose_cost.setdefault((self.num_drafts, self.depth), _Ema()).add(propose_s / self.level)
             else:
-                _observe(self.propose_cost, self.num_drafts, propose_s)
+                self.propose_cost.setdefault(self.num_drafts, _Ema()).add(propose_s / self.level)
 
     def bucket(self, batch_size: int) -> int:
         """The batch bucket whose costs a batch of ``batch_size`` requests reads and updates."""
         return batch_bucket(batch_size, self.max_num_seqs)
 
-    def observe_drafts(self, num_drafts: int, num_accepted: int, tree: bool = False, depth: int = 0,
-                       room: int = 0) -> None:
+    def observe_drafts(self, num_drafts: int, num_accepted: int, tree: bool = False, depth: int = 0) -> None:
         """One request's verification: drafts 1..num_accepted were accepted, and draft
         num_accepted + 1 (if drafted) was the first rejected.  ``tree``: the drafts were
         a tree's ``num_drafts`` nodes drafted at ``depth`` (the choice that proposed them),
-        ``num_accepted`` the accepted path's length.  ``room``: the drafts the round asked
-        for; a chain its drafter stopped short of them (a confidence cut) counts as having
-        reached the next position and given nothing there."""
+        ``num_accepted`` the accepted path's length."""
         if num_drafts == 0:
             return
         if tree:  # each shape's own rounds decay as it is observed: one tried and left stays measured
@@ -261,9 +258,7 @@ class SpecController:
         for i in range(len(self.reached)):
             self.reached[i] *= DECAY
             self.accepted[i] *= DECAY
-        # A chain the drafter stopped short of ``room`` (a confidence cut) reached the next
-        # position too, and gave nothing there: E(k) is then what choosing k yields.
-        for i in range(min(max(num_drafts, room), num_accepted + 1, len(self.reached))):
+        for i in range(min(num_drafts, num_accepted + 1)):
             self.reached[i] += 1.0
             if i < num_accepted:
                 self.accepted[i] += 1.0

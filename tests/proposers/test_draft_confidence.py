@@ -7,8 +7,8 @@ a chain stops drafting where the drafter's cumulative probability falls below th
 * on an engine (tiny EAGLE-3 heads), greedy output stays plain decoding's whatever the cut,
   a cut just below 1 leaves one draft per round, one below every confidence changes
   nothing, and one in between drafts fewer tokens than without a cut;
-* the adaptive controller's derived cut is the break-even probability of one more draft,
-  0 where it has nothing to go on;
+* the adaptive controller's derived cut (``"auto"``) is the break-even probability of one
+  more draft, 0 where it has nothing to go on; the default (0) never cuts;
 * a bad threshold is a config error naming the key."""
 
 from __future__ import annotations
@@ -200,10 +200,10 @@ def test_no_derived_cut_without_adaptive_speculation_or_measurements():
     assert SpecController(K, adaptive=True).draft_cut(0) == 0.0
 
 
-def test_the_engine_asks_the_controller_unless_a_threshold_is_configured(target, root, prompts):
+def test_the_engine_asks_the_controller_when_the_threshold_is_auto(target, root, prompts):
     head = write_head(root / "random", "eagle3", seed=1, aux_ids=[0, 1, 1])
     seen: list[float] = []
-    eng = _cut_engine(target, head, None)
+    eng = _cut_engine(target, head, "auto")
     eng.spec_control.draft_cut = lambda b: seen.append(b) or 0.25
     asked = []
     propose = eng.proposer.propose
@@ -219,10 +219,24 @@ def test_the_engine_asks_the_controller_unless_a_threshold_is_configured(target,
     assert set(asked) == {0.125}
 
 
-@pytest.mark.parametrize("bad", [1.0, -0.1, "high", True, math.nan])
+@pytest.mark.parametrize("bad", [1.0, -0.1, "high", True, math.nan, None])
 def test_a_bad_threshold_names_the_key(root, target, bad):
     cfg = tiny_config(target, "eagle3", k=K, draft_dir=write_head(root / "random", "eagle3", seed=1, aux_ids=[0, 1, 1]))
     cfg.engine.draft_confidence_threshold = bad
     with pytest.raises(ConfigError) as e:
         validate_config(cfg)
     assert "engine.draft_confidence_threshold" in str(e.value)
+
+
+def test_the_default_never_cuts(root, target, prompts):
+    from specserve.config import EngineConfig
+
+    assert EngineConfig().draft_confidence_threshold == 0.0
+    head = write_head(root / "random", "eagle3", seed=1, aux_ids=[0, 1, 1])
+    eng = _engine(tiny_config(target, "eagle3", k=K, draft_dir=head, speculation="auto"))
+    eng.spec_control.draft_cut = lambda b: pytest.fail("no derived cut unless asked")
+    asked = []
+    propose = eng.proposer.propose
+    eng.proposer.propose = lambda reqs, step=None: asked.extend(r.min_confidence for r in reqs) or propose(reqs, step)
+    eng.generate(prompts[:2], [greedy(8) for _ in prompts[:2]])
+    assert asked and set(asked) == {0.0}

@@ -1,5 +1,5 @@
 """Speculation policies side by side on one target: plain decoding and several eagle3
-engines (adaptive with and without draft confidence cuts, fixed K) run the same prompts in
+engines (adaptive, with and without the derived draft confidence cut, fixed K) run the same prompts in
 turns, a prompt each, the order rotating (``specserve.bench.run_interleaved``), so a shared
 host's drifting speed lands on all of them alike.  Writes each one's tokens/s, its ratio to
 plain decoding and its greedy match.
@@ -26,7 +26,7 @@ from specserve.executor.loader import load_model
 BASE = ["+method=eagle3", "draft=smollm2-135m-eagle3", "model.dtype=bfloat16", "bench.max_tokens=128"]
 POLICIES = {
     "adaptive (default)": [],
-    "adaptive, no confidence cut": ["engine.draft_confidence_threshold=0"],
+    "adaptive, derived cut": ["engine.draft_confidence_threshold=auto"],
     "fixed K=2": ["engine.speculation=fixed", "method.num_speculative_tokens=2"],
     "fixed K=3, cut 0.2": ["engine.speculation=fixed", "method.num_speculative_tokens=3",
                            "engine.draft_confidence_threshold=0.2"],
