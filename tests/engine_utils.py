@@ -32,6 +32,19 @@ def tiny_config(model_dir: Path, method: str | None = None, k: int = 3, num_bloc
     return validate_config(cfg)
 
 
+_TARGETS: dict[str, object] = {}
+
+
+def engine_on_cached_target(cfg: Config) -> LLMEngine:
+    """An engine on the configured (float32) target, each target directory loaded once."""
+    from specserve.executor.loader import load_model
+
+    path = cfg.model.path
+    if path not in _TARGETS:
+        _TARGETS[path] = load_model(path, "float32", torch.device("cpu"))
+    return LLMEngine(cfg, target=_TARGETS[path])
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny models: torch's intra-op threads only contend (on a shared box, badly).

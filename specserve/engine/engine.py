@@ -184,7 +184,6 @@ class LLMEngine:
                                            tree_depths=tree_depth_choices(spec.tree) if trees else (0,))
         if plan.graphs:
             self.spec_control.seed_costs(self.runner.static.time_graphs())
-        self.draft_confidence_threshold = e.draft_confidence_threshold  # "auto": spec_control.draft_cut
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
                                    self.max_model_len, e.long_prefill_token_threshold,
                                    pending_drafts=lambda seq: self.requests.num_pending_drafts(seq))
@@ -470,8 +469,8 @@ class LLMEngine:
         num_sampled = sum(1 for _, s in live if s.sample)
         choice = self.spec_control.choose(num_sampled)
         num_drafts = int(choice)
-        cut = self.draft_confidence_threshold
-        if cut == "auto":
+        cut = self.cfg.engine.draft_confidence_threshold
+        if cut == "auto":  # derived from the measured costs and acceptance
             cut = self.spec_control.draft_cut(num_sampled)
         reqs: list[DraftRequest] = []
         for b, s in live:

@@ -92,8 +92,6 @@ class _Ema:
         self.n = min(self.n + weight, TRUST)
 
 
-
-
 def _line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
     """Weighted least squares y = a + b x over (x, y, weight), the slope at least 0 (more
     verified tokens or drafting steps never cost less); None with fewer than two distinct x."""

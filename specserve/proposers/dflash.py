@@ -235,8 +235,7 @@ class DFlashProposer(OwnCacheHead):
         h = d.norm(x).view(B, n, -1)
         want = [min(self.num_spec_tokens, requests[i].max_drafts, n - 1) for i, _ in drafting]
         logits = self.target.model.compute_logits(h[:, 1:].reshape(B * (n - 1), -1)).view(B, n - 1, -1)
-        out = DraftColumns(self.sampler, len(requests), [i for i, _ in drafting], seqs, want,
-                           [requests[i].min_confidence for i, _ in drafting])
+        out = DraftColumns.of(self.sampler, requests, [i for i, _ in drafting], want)
         for j in range(max(want)):
             live = [b for b in range(B) if want[b] > j]
             out.draw(logits[live, j], live, j)

@@ -222,8 +222,7 @@ class EagleProposer:
                 drafts[i] = d
             return Proposal(token_ids=drafts)
         want = [w for _, w, _, _ in drafting]
-        out = DraftColumns(self.sampler, len(requests), [i for i, _, _, _ in drafting], seqs, want,
-                           [requests[i].min_confidence for i, _, _, _ in drafting])
+        out = DraftColumns.of(self.sampler, requests, [i for i, _, _, _ in drafting], want)
         active = list(range(len(drafting)))  # indices into drafting
         step = 1
         while True:

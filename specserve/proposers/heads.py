@@ -113,6 +113,13 @@ class DraftColumns:
         self.cut = cut if cut is not None and any(c > 0.0 for c in cut) else None
         self.confidence = [1.0] * len(index)  # per drafter: the product of its drafts' probabilities
 
+    @classmethod
+    def of(cls, sampler: HeadSampler, requests: list, index: list[int], want: list[int]) -> "DraftColumns":
+        """The columns of drafters ``requests[index[a]]`` (``DraftRequest``s): their sequences
+        and confidence cuts read from the requests."""
+        return cls(sampler, len(requests), index, [requests[i].seq for i in index], want,
+                   [requests[i].min_confidence for i in index])
+
     def draw(self, logits: Tensor, live: list[int], col: int) -> Tensor:
         """Column ``col`` (0-based) of the drafters ``live`` from their logits (len(live), V)."""
         seqs = [self.seqs[a] for a in live]

@@ -284,8 +284,7 @@ class MedusaProposer:
                 drafts: list[list[int]]) -> Proposal:
         """Head k's draft (argmax, or drawn from q) at column k; at most one per head."""
         want = [min(self.num_spec_tokens, self.model.num_heads, requests[i].max_drafts) for i in active]
-        out = DraftColumns(self.sampler, len(requests), active, [requests[i].seq for i in active], want,
-                           [requests[i].min_confidence for i in active])
+        out = DraftColumns.of(self.sampler, requests, active, want)
         rows = list(range(len(active)))  # positions in `active` still drafting
         for k in range(max(want)):
             rows, (hidden,) = narrow(rows, want, k, hidden)

@@ -157,8 +157,7 @@ class MLPSpeculatorProposer:
                 drafts: list[list[int]]) -> Proposal:
         """Stage s's draft (argmax, or drawn from q) at column s, fed to stage s + 1."""
         want = [min(self.num_spec_tokens, self.model.n_predict, requests[i].max_drafts) for i in active]
-        out = DraftColumns(self.sampler, len(requests), active, [requests[i].seq for i in active], want,
-                           [requests[i].min_confidence for i in active])
+        out = DraftColumns.of(self.sampler, requests, active, want)
         rows = list(range(len(active)))  # positions in `active` still drafting
         for s in range(max(want)):
             rows, (state, tokens) = narrow(rows, want, s, state, tokens)

@@ -291,9 +291,7 @@ class MTPProposer(OwnCacheHead):
 
     def _draft(self, requests, drafting, h: Tensor, y: Tensor, drafts: list[list[int]]) -> Proposal:
         want = [min(self.num_spec_tokens, requests[i].max_drafts) for i, _, _ in drafting]
-        out = DraftColumns(self.sampler, len(requests), [i for i, _, _ in drafting],
-                           [requests[i].seq for i, _, _ in drafting], want,
-                           [requests[i].min_confidence for i, _, _ in drafting])
+        out = DraftColumns.of(self.sampler, requests, [i for i, _, _ in drafting], want)
         active = list(range(len(drafting)))
         s = 1
         while True:

@@ -23,13 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from eagle_heads import make_bigram_target, write_head  # noqa: E402
-from engine_utils import greedy, random_prompts, record_drafts, run, tiny_config  # noqa: E402
+from engine_utils import engine_on_cached_target, greedy, random_prompts, record_drafts, run, tiny_config  # noqa: E402
 from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
-from specserve.config import Config, validate_config  # noqa: E402
-from specserve.engine.engine import LLMEngine  # noqa: E402
+from specserve.config import validate_config  # noqa: E402
 from specserve.engine.spec_control import MAX_CUT, SpecController  # noqa: E402
 from specserve.errors import ConfigError  # noqa: E402
-from specserve.executor.loader import load_model  # noqa: E402
 from specserve.proposers.heads import DraftColumns, HeadSampler  # noqa: E402
 from specserve.request import SamplingParams  # noqa: E402
 
@@ -93,14 +91,7 @@ def test_a_sampled_draft_counts_with_q_of_the_token_drawn_and_a_greedy_one_with_
 
 # --------------------------------------------------------------------------- the engine
 
-_LOADED: dict[str, object] = {}
-
-
-def _engine(cfg: Config) -> LLMEngine:
-    path = cfg.model.path
-    if path not in _LOADED:
-        _LOADED[path] = load_model(path, "float32", torch.device("cpu"))
-    return LLMEngine(cfg, target=_LOADED[path])
+_engine = engine_on_cached_target
 
 
 @pytest.fixture(scope="module")

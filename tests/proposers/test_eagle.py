@@ -14,26 +14,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from eagle_heads import make_bigram_target, write_head  # noqa: E402
 from engine_utils import draw_k_every_step, greedy, head_forwards, random_prompts, record_drafts, run, tiny_config  # noqa: E402
+from engine_utils import engine_on_cached_target  # noqa: E402
 from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
 from specserve.config import Config, ModelConfig, SpeculativeConfig, validate_config  # noqa: E402
-from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.errors import ConfigError  # noqa: E402
 from specserve.executor.batch import SeqInput  # noqa: E402
 
 K = 4
 
 
-_LOADED: dict[str, object] = {}
-
-
-def engine(cfg) -> LLMEngine:
-    """An engine on the configured target, loaded once per module."""
-    from specserve.executor.loader import load_model
-
-    path = cfg.model.path
-    if path not in _LOADED:
-        _LOADED[path] = load_model(path, "float32", torch.device("cpu"))
-    return LLMEngine(cfg, target=_LOADED[path])
+engine = engine_on_cached_target
 
 
 @pytest.fixture(scope="module")

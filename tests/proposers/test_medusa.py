@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from eagle_heads import TARGET, make_bigram_target  # noqa: E402
 from engine_utils import draw_k_every_step, greedy, random_prompts, run, tiny_config  # noqa: E402
+from engine_utils import engine_on_cached_target  # noqa: E402
 from engine_utils import one_thread  # noqa: E402, F401 (an autouse fixture: one torch thread)
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
@@ -164,15 +165,7 @@ def oracle_heads(target_dir: Path, prompts, num_heads: int, num_layers: int,
 # --------------------------------------------------------------------------- fixtures
 
 
-_LOADED: dict[str, object] = {}
-
-
-def engine(cfg) -> LLMEngine:
-    """An engine on the configured target, the target loaded once per module."""
-    path = cfg.model.path
-    if path not in _LOADED:
-        _LOADED[path] = load_model(path, "float32", torch.device("cpu"))
-    return LLMEngine(cfg, target=_LOADED[path])
+engine = engine_on_cached_target
 
 
 @pytest.fixture(scope="module")
