@@ -17,7 +17,8 @@
  *
  * The same layer body (layer_run, over a step_plan) also runs a draft head's one
  * layer from an attention input the caller gives (ss_head_layer; EAGLE-3's input is
- * built here, ss_eagle3_layer), and ss_norm_logits is a head's norm and LM head.
+ * built here, ss_eagle3_layer), and ss_norm_logits is a head's norm and LM head;
+ * ss_eagle3_chain runs a greedy EAGLE-3 draft chain's every column in one call.
  *
  * Built by specserve/kernels/cpu_decoder.py with gcc; the same OpenMP runtime
  * as torch's is used (libgomp is already loaded by torch).
@@ -1503,6 +1504,82 @@ int ss_logits(const ss_model *m, const float *hidden, int N, float *logits) {
     return 0;
 }
 
+/*
+ * A greedy EAGLE-3 draft chain for B requests in one call: what the eager loop of
+ * ss_norm_logits / argmax / ss_eagle3_layer does a column at a time, with no
+ * return to the caller between columns.  g0 (B, H) bf16: each request's head
+ * output at its last real position last[b].  Column j = 0, 1, ...: the logits of
+ * the requests still drafting (ss_norm_logits of their bf16 state, widened), each
+ * row's argmax (the first of equal maxima, NaN above all, as torch's), mapped to
+ * a target id through d2t (NULL: draft ids are target ids) into drafts[b * K + j];
+ * a request with want[b] > j + 1 then runs the layer on that token and its state
+ * at position last[b] + j + 1 (its K/V written through its block table, row b of
+ * block_tables (B, max_blocks)), and its output rounded to bf16 (as the caller's
+ * tensors hold it) is its next state.  want[b] <= K; a request with want[b] <= 0
+ * drafts nothing.  Returns 0 or ss_eagle3_layer's negative codes.
+ */
+int ss_eagle3_chain(const ss_model *m, int B, const int32_t *want, const int32_t *last, const int32_t *block_tables,
+                    int max_blocks, const bf16 *g0, const bf16 *embed, int vocab, const float *ln_in,
+                    const float *hnorm, int norm_before_residual, const int64_t *d2t, int K, int64_t *drafts) {
+    const int H = m->hidden, V = m->vocab;
+    if (B <= 0) return 0;
+    if (V <= 0 || K <= 0 || max_blocks <= 0) return -1;
+    int *live = malloc(sizeof(int) * (size_t)B);
+    int32_t *info = malloc(sizeof(int32_t) * 3 * (size_t)B);
+    int32_t *tables = malloc(sizeof(int32_t) * (size_t)B * max_blocks);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)B);
+    bf16 *g = malloc(sizeof(bf16) * (size_t)B * H);
+    float *x = scratch_alloc(sizeof(float) * (size_t)B * H);
+    float *logits = scratch_alloc(sizeof(float) * (size_t)B * V);
+    int rc = (live && info && tables && ids && g && x && logits) ? 0 : -4;
+    int n = 0;
+    for (int b = 0; rc == 0 && b < B; b++) {
+        if (want[b] > K) rc = -2;
+        if (want[b] <= 0) continue;
+        memcpy(g + (long)n * H, g0 + (long)b * H, sizeof(bf16) * (size_t)H);
+        live[n++] = b;
+    }
+    for (int j = 0; rc == 0 && n > 0; j++) {
+        for (long i = 0; i < (long)n * H; i++) x[i] = bf16_to_f32(g[i]);
+        rc = ss_norm_logits(m, x, n, logits);
+        if (rc != 0) break;
+        int kept = 0;
+        for (int r = 0; r < n; r++) {
+            const float *lr = logits + (long)r * V;
+            int best = 0;
+            for (int v = 1; v < V; v++)
+                if (!isnan(lr[best]) && (lr[v] > lr[best] || isnan(lr[v]))) best = v;
+            const int b = live[r];
+            const int64_t tok = d2t ? d2t[best] : best;
+            drafts[(long)b * K + j] = tok;
+            if (want[b] <= j + 1) continue;
+            /* still drafting: compact its row to the front */
+            live[kept] = b;
+            ids[kept] = tok;
+            if (kept != r) memmove(g + (long)kept * H, g + (long)r * H, sizeof(bf16) * (size_t)H);
+            info[3 * kept] = kept;
+            info[3 * kept + 1] = 1;
+            info[3 * kept + 2] = last[b] + j + 1;
+            memcpy(tables + (long)kept * max_blocks, block_tables + (long)b * max_blocks,
+                   sizeof(int32_t) * (size_t)max_blocks);
+            kept++;
+        }
+        n = kept;
+        if (n == 0) break;
+        rc = ss_eagle3_layer(m, n, ids, embed, vocab, ln_in, hnorm, norm_before_residual, g, x, n, info, tables,
+                             max_blocks, NULL, NULL, NULL);
+        if (rc == 0) f32_row_to_bf16(x, g, n * H);
+    }
+    free(live);
+    free(info);
+    free(tables);
+    free(ids);
+    free(g);
+    free(x);
+    free(logits);
+    return rc;
+}
+
 /* Exposed for tests: y (M, N) fp32 = x (M, K) bf16 @ W (N, K)^T (+ bias), through
    AMX when Wp (ss_pack_amx of W) is given. */
 int ss_matmul(const bf16 *x, int M, const bf16 *W, const bf16 *Wp, int N, int K, const float *bias, float *y) {
@@ -1523,7 +1600,7 @@ int ss_set_num_threads(int n) {
     return omp_get_max_threads();
 }
 
-int ss_abi_version(void) { return 5; }
+int ss_abi_version(void) { return 6; }
 
 /* Which build this is (the Python side logs it). */
 const char *ss_isa(void) {

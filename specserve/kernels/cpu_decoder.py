@@ -14,6 +14,7 @@ runs the whole decoder stack for a flattened ragged batch in one C call and
 ``logits`` is the LM head.  ``FusedHead`` runs a draft head's one decoder layer
 (an EAGLE head's) the same way (``ss_head_layer``; EAGLE-3's input built in the
 call, ``ss_eagle3_layer``) and its norm and LM head (``ss_norm_logits``);
+``FusedHeadChain`` runs an EAGLE-3 head's greedy draft chains in one call;
 ``FusedStepArgs`` is a step's layout as these calls read it.  Torch
 tensors stay the owners of all memory; the C side only sees their data pointers.
 """
@@ -46,7 +47,7 @@ from specserve.kernels.cpu_features import (
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 class KernelUnavailable(RuntimeError):
@@ -104,6 +105,7 @@ def load_library(cache_dir: Path, isa: str | None = None) -> ctypes.CDLL:
         ("ss_head_layer", [P, I32, I32, P, P, I32, P, P, I32, P, P, P], I32),
         ("ss_eagle3_layer", [P, I32, P, P, I32, P, P, I32, P, P, I32, P, P, I32, P, P, P], I32),
         ("ss_norm_logits", [P, P, I32, P], I32),
+        ("ss_eagle3_chain", [P, I32, P, P, P, I32, P, P, I32, P, P, I32, P, I32, P], I32),
         ("ss_logits", [P, P, I32, P], I32),
         ("ss_matmul", [P, I32, P, P, I32, I32, P, P], I32),
         ("ss_pack_amx", [P, I32, I32, P], I32),
@@ -523,6 +525,44 @@ class FusedHead:
         self.lib.ss_set_num_threads(torch.get_num_threads())
         _check_rc(self.lib.ss_norm_logits(ctypes.addressof(self._model), _ptr(x), N, _ptr(y)))
         return y
+
+
+class FusedHeadChain:
+    """A fused EAGLE-3 head's greedy draft chains, every column in one C call
+    (``ss_eagle3_chain``): the eager loop's logits, argmax, draft-to-target map and
+    layer steps, with no Python between columns.  ``draft`` has ``HeadDraftGraphs``'
+    contract (the proposer's ``static``): the head's bf16 states at each row's last
+    real position and (last position, drafts wanted, block table) per row."""
+
+    max_num_seqs = 1 << 30  # no buffers to outgrow: any batch drafts here
+
+    def __init__(self, fused: "FusedHead", draft_to_target: Tensor | None, num_spec_tokens: int):
+        if fused.eagle3 is None or not fused.has_logits:
+            raise KernelUnavailable("a fused draft chain needs an EAGLE-3 head with its own LM head")
+        self.fused = fused
+        self.d2t = None if draft_to_target is None else draft_to_target.to(torch.int64).contiguous()
+        self.K = num_spec_tokens
+
+    def draft(self, hidden: Tensor, rows: Sequence[tuple[int, int, Sequence[int]]]) -> list[list[int]]:
+        B = len(rows)
+        if B == 0:
+            return []
+        f, K = self.fused, self.K
+        want = torch.tensor([w for _, w, _ in rows], dtype=torch.int32)
+        if int(want.max()) > K:
+            raise ValueError(f"fused draft chain: {int(want.max())} drafts wanted, at most {K}")
+        last = torch.tensor([p for p, _, _ in rows], dtype=torch.int32)
+        width = max(len(t) for _, _, t in rows) or 1
+        tables = torch.tensor([[*t, *[0] * (width - len(t))] for _, _, t in rows], dtype=torch.int32)
+        g = hidden.to(torch.bfloat16).contiguous()
+        if g.shape != (B, f.hidden_size):
+            raise ValueError(f"fused draft chain: states {tuple(g.shape)} for {B} rows")
+        out = torch.zeros(B, K, dtype=torch.int64)
+        table, vocab, ln_in, hnorm, nbr = f.eagle3
+        f.lib.ss_set_num_threads(torch.get_num_threads())
+        _check_rc(f.lib.ss_eagle3_chain(ctypes.addressof(f._model), B, _ptr(want), _ptr(last), _ptr(tables), width,
+                                        _ptr(g), table, vocab, ln_in, hnorm, nbr, _ptr(self.d2t), K, _ptr(out)))
+        return [d[:w] for d, (_, w, _) in zip(out.tolist(), rows)]
 
 
 def _weight(lin: Any) -> Tensor:

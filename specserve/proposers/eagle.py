@@ -29,7 +29,10 @@ runs the same loop eagerly); the consuming forward, whose row count varies, runs
 eagerly, and every eager forward attends through the paged kernel the target uses
 (no padded keys or masks when a step commits a prompt chunk beside decode rows).
 CPU: the reference attention; in bf16 the head's projections and LM head run on the
-fused decoder's matmul (``kernels.cpu_decoder.FusedLinear``).  All of it is the
+fused decoder's matmul (``kernels.cpu_decoder.FusedLinear``), and an EAGLE-3 head's
+greedy draft steps run in one C call (``kernels.cpu_decoder.FusedHeadChain``, in the
+graphs' place).  Drafting with confidence cuts runs the eager loop (a cut reads each
+column's logits).  All of it is the
 backend factory's choice (``executor.backends.factory``), made with the target's.
 
 Trees (``method.tree``): a request that may take one (``DraftRequest.tree``)
@@ -216,7 +219,9 @@ class EagleProposer:
         """K autoregressive steps from the last real row of each drafting request; the
         tokens stay on the device until the end (one read per column)."""
         seqs = [requests[i].seq for i, _, _, _ in drafting]
-        if not self.sampler.needs_q(seqs) and self.static is not None and len(drafting) <= self.static.max_num_seqs:
+        cuts = any(requests[i].min_confidence > 0.0 for i, _, _, _ in drafting)  # a cut reads every column's logits
+        if (not self.sampler.needs_q(seqs) and not cuts and self.static is not None
+                and len(drafting) <= self.static.max_num_seqs):
             rows = [(last, want, table) for _, want, last, table in drafting]
             for (i, *_), d in zip(drafting, self.static.draft(hidden, rows)):
                 drafts[i] = d

@@ -185,6 +185,80 @@ def test_bad_inputs_raise_and_write_nothing(kcache):
         write_and_attend(q, q[:, :2], q[:, :2], *kv, meta)
 
 
+def _eager_chain(head: EagleHead, hidden: torch.Tensor, rows) -> list[list[int]]:
+    """The proposer's eager greedy loop, a column at a time through the fused head's
+    logits and layer calls (``EagleProposer._draft`` without its static drafter)."""
+    drafts: list[list[int]] = [[] for _ in rows]
+    active = [b for b, (_, w, _) in enumerate(rows) if w > 0]
+    hidden = hidden[active]
+    step = 1
+    while active:
+        tokens = head.to_target_ids(head.logits(hidden).argmax(dim=-1))
+        for a, t in zip(active, tokens.tolist()):
+            drafts[a].append(t)
+        keep = [n for n, a in enumerate(active) if rows[a][1] > step]
+        active, tokens, hidden = [active[n] for n in keep], tokens[keep], hidden[keep]
+        if not active:
+            break
+        batch = StepBatch.from_inputs([SeqInput([0], rows[a][0] + step, rows[a][2], [0]) for a in active], BS)
+        meta, pos = head_metadata(batch, BS, torch.device("cpu"), kernel=FUSED_HEAD)
+        hidden = head(tokens, hidden, pos, meta, None)
+        step += 1
+    return drafts
+
+
+@pytest.mark.parametrize("nbr", [False, True])
+@pytest.mark.parametrize("d2t", [False, True], ids=["draft-ids", "mapped"])
+def test_the_fused_chain_drafts_what_the_eager_loop_drafts(kcache, nbr, d2t):
+    """``FusedHeadChain`` (every column in one C call) against the eager loop over the same
+    fused head: the same drafts and the same K/V, bit for bit, for rows wanting 0 to K
+    drafts (the live rows shrink column by column), ragged positions and block tables;
+    nothing outside the drafted positions' slots is written."""
+    from specserve.kernels.cpu_decoder import FusedHeadChain
+
+    K = 4
+    head = _head("eagle3", 4, 2, 64, nbr=nbr, seed=7)
+    if d2t:  # a reduced draft vocabulary mapped into the target's
+        head.draft_to_target = torch.randperm(V, generator=torch.Generator().manual_seed(8))[:120]
+    a, b = _cache(2, 64, seed=9), _cache(2, 64, seed=9)
+    f_eager = _fuse(head, a, kcache)
+    chain = FusedHeadChain(_fuse(head, b, kcache), head.draft_to_target, K)
+    # (last real position, drafts wanted, block table): drafting writes last+1 .. last+want-1
+    rows = [(6, 4, [3, 4, 5]), (9, 2, [7, 8, 9]), (2, 0, [10]), (4, 1, [11, 2]), (12, 3, [0, 1, 6, 13, 14])]
+    hidden = torch.randn(len(rows), 96, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    before = a[0].clone(), a[1].clone()
+    with torch.inference_mode():
+        head.fused = f_eager
+        want = _eager_chain(head, hidden, rows)
+        got = chain.draft(hidden, rows)
+    assert got == want
+    assert [len(d) for d in got] == [w for _, w, _ in rows]
+    vocab = set(head.draft_to_target.tolist()) if d2t else set(range(120))
+    assert all(t in vocab for d in got for t in d)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    written = {t[(p + s) // BS] * BS + (p + s) % BS for p, w, t in rows for s in range(1, w)}
+    keep = torch.ones(a[0].shape[0], dtype=torch.bool)
+    keep[sorted(written)] = False
+    assert not torch.equal(a[0][sorted(written)], before[0][sorted(written)])
+    assert torch.equal(a[0][keep], before[0][keep]) and torch.equal(a[1][keep], before[1][keep])
+
+
+def test_the_fused_chain_refuses_more_drafts_than_k(kcache):
+    from specserve.kernels.cpu_decoder import FusedHeadChain
+
+    head = _head("eagle3", 4, 2, 64)
+    chain = FusedHeadChain(_fuse(head, _cache(2, 64), kcache), None, 2)
+    hidden = torch.zeros(1, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 2"):
+        chain.draft(hidden, [(3, 3, [0, 1])])
+    with pytest.raises(ValueError, match="states"):
+        chain.draft(hidden, [(3, 1, [0, 1]), (3, 1, [2, 3])])
+    assert chain.draft(hidden, []) == []
+    eagle1 = _head("eagle", 4, 2, 64)
+    with pytest.raises(KernelUnavailable, match="EAGLE-3"):
+        FusedHeadChain(_fuse(eagle1, _cache(2, 64), kcache), None, 2)
+
+
 # ---------------------------------------------------------------------------- the engine
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "proposers"))
@@ -239,7 +313,7 @@ def test_fused_heads_draft_losslessly_on_the_fused_path(bigram, kcache, head, sh
         p = eng.proposer
         assert p.head.fused is not None and p.attention == FUSED_HEAD
         if not fused:  # the same head on its torch ops
-            p.head.fused, p.attention = None, None
+            p.head.fused, p.attention, p.static = None, None, None
         outs = eng.generate(prompts, [greedy(24) for _ in prompts])
         assert [o.token_ids for o in outs] == want
         assert sum(o.spec.num_draft_tokens for o in outs) > 0
@@ -247,6 +321,44 @@ def test_fused_heads_draft_losslessly_on_the_fused_path(bigram, kcache, head, sh
         assert eng.blocks.num_free == eng.blocks.num_blocks
     if head != "eagle3-random":
         assert accepted[0] == accepted[1] > 0
+
+
+@pytest.mark.parametrize("head", ["eagle3", "eagle3-random"])
+def test_the_engine_drafts_eagle3_chains_in_one_call(bigram, kcache, head):
+    """An EAGLE-3 head on the fused path drafts its greedy chains through
+    ``FusedHeadChain``; the eager loop over the same head (no static drafter) proposes
+    the same drafts: the same outputs and the same draft and acceptance counts, per
+    request.  A request with a confidence cut drafts through the eager loop."""
+    from engine_utils import greedy, random_prompts
+
+    from specserve.kernels.cpu_decoder import FusedHeadChain
+
+    target, heads = bigram
+    prompts = random_prompts(4, seed=6)
+    runs = []
+    for chain in (True, False):
+        eng = _bf16(target, kcache, "eagle3", k=3, draft_dir=heads[head])
+        p = eng.proposer
+        assert isinstance(p.static, FusedHeadChain)
+        calls = []
+        if chain:
+            real = p.static.draft
+            p.static.draft = lambda *a: calls.append(1) or real(*a)
+        else:
+            p.static = None
+        outs = eng.generate(prompts, [greedy(20) for _ in prompts])
+        assert bool(calls) == chain
+        runs.append([(o.token_ids, o.spec.num_draft_tokens, o.spec.num_accepted_tokens) for o in outs])
+        assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert runs[0] == runs[1]
+    assert sum(r[1] for r in runs[0]) > 0
+    eng = _bf16(target, kcache, "eagle3", k=3, draft_dir=heads[head])
+    eng.cfg.engine.draft_confidence_threshold = 0.5
+    calls = []
+    real = eng.proposer.static.draft
+    eng.proposer.static.draft = lambda *a: calls.append(1) or real(*a)
+    outs = eng.generate(prompts, [greedy(20) for _ in prompts])
+    assert not calls and [o.token_ids for o in outs] == [r[0] for r in runs[0]]
 
 
 def test_deep_trees_run_to_the_end_of_the_context(bigram, kcache):

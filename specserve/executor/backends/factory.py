@@ -232,7 +232,14 @@ class RunnerFactory:
         """A head's K greedy draft steps from persistent buffers, captured as one CUDA
         graph per batch bucket (``head_graphs.HeadDraftGraphs``), on the attention backend
         the target's check chose; None where the head drafts eagerly (rule 2's graphs).
-        A bucket whose capture fails drafts eagerly (one warning): start-up goes on."""
+        A bucket whose capture fails drafts eagerly (one warning): start-up goes on.
+        Where the head runs fused on the CPU (``fuse_head``: EAGLE-3 with its own LM
+        head), the same greedy steps run in one C call (``cpu_decoder.FusedHeadChain``)."""
+        fused = getattr(head, "fused", None)
+        if fused is not None and fused.eagle3 is not None and fused.has_logits:
+            from specserve.kernels.cpu_decoder import FusedHeadChain
+
+            return FusedHeadChain(fused, head.draft_to_target, num_spec_tokens)
         if not self.plan(target).graphs:
             return None
         from specserve.executor.backends.head_graphs import HeadDraftGraphs
