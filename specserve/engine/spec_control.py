@@ -62,6 +62,7 @@ every change and every probe is logged at DEBUG.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -94,7 +95,13 @@ class _Ema:
 
 def _line(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
     """Weighted least squares y = a + b x over (x, y, weight), the slope at least 0 (more
-    verified tokens or drafting steps never cost less); None with fewer than two distinct x."""
+    verified tokens or drafting steps never cost less); None with fewer than two distinct x.
+    (A decision fits the same points once per candidate size: the fits are remembered.)"""
+    return _fit(tuple(points))
+
+
+@functools.lru_cache(maxsize=256)
+def _fit(points: tuple[tuple[float, float, float], ...]) -> tuple[float, float] | None:
     pts = [(x, y, w) for x, y, w in points if w > 0]
     if len({x for x, _, _ in pts}) < 2:
         return None
