@@ -50,6 +50,13 @@ def main() -> None:
           ">= 2", lambda x: x >= 2)
     check("eagle3 mean acceptance length (K=4)", e3 and e3["runs"]["specserve"].get("mean_acceptance_length"),
           "(report)", lambda x: True)
+    for name, what in (("smol-eagle3-chain-auto-bf16-c1", "chains, adaptive (the default)"),
+                       ("smol-eagle3-tree-n8-bf16-c1", "trees, topk 4, 8 nodes, depth 5")):
+        r = load(d, name)
+        check(f"eagle3 bf16 c1 {what} / vanilla (issue #23)", r and r["ratios"].get("specserve_over_specserve_vanilla"),
+              "(report)", lambda x: True)
+        check(f"eagle3 bf16 c1 {what}: AL", r and r["runs"]["specserve"].get("mean_acceptance_length"),
+              "(report)", lambda x: True)
     print("| figure | measured | target | met |\n|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
