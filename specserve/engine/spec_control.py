@@ -305,8 +305,7 @@ class SpecController:
         so it gets tried (None: nothing measured)."""
         ema = self.step_cost.get((bucket, q))
         if ema is not None and ema.value is not None:
-            line = _line([(qq, e.value, e.n) for (b, qq), e in self.step_cost.items()
-                          if b == bucket and e.value is not None])
+            line = self._step_line(bucket)
             return _shrunk(ema, None if line is None else line[0] + line[1] * q)
         base = self.step_cost.get((bucket, 1))
         return None if base is None else base.value
@@ -422,8 +421,7 @@ class SpecController:
             return 0.0
         bucket = self.bucket(batch_size)
         base = self._cost(bucket, 1)
-        prop = _line([(k, e.value, e.n) for k, e in self.propose_cost.items() if k > 0 and e.value is not None])
-        step = _line([(q, e.value, e.n) for (b, q), e in self.step_cost.items() if b == bucket and e.value is not None])
+        prop, step = self._propose_line(), self._step_line(bucket)
         if not base or prop is None or step is None:
             return 0.0
         reached, accepted = sum(self.reached[1:]), sum(self.accepted[1:])
@@ -433,6 +431,14 @@ class SpecController:
         if a <= 0.0:
             return MAX_CUT
         return min((prop[1] + step[1]) / (a * base), MAX_CUT)
+
+    def _step_line(self, bucket: int) -> tuple[float, float] | None:
+        """The weighted line of step cost over the verified tokens per sequence measured in ``bucket``."""
+        return _line([(q, e.value, e.n) for (b, q), e in self.step_cost.items() if b == bucket and e.value is not None])
+
+    def _propose_line(self) -> tuple[float, float] | None:
+        """The weighted line of a chain's proposing cost over its measured lengths k >= 1."""
+        return _line([(k, e.value, e.n) for k, e in self.propose_cost.items() if k > 0 and e.value is not None])
 
     def _cost_known(self, bucket: int, q: int) -> bool:
         ema = self.step_cost.get((bucket, q))
@@ -450,7 +456,7 @@ class SpecController:
                 return self._tree_propose(k, self.full_depth if depth is None else depth, known)
         known_k = {kk: e for kk, e in self.propose_cost.items() if e.value is not None}
         if k in known_k:
-            line = _line([(kk, e.value, e.n) for kk, e in known_k.items() if kk > 0]) if k > 0 else None
+            line = self._propose_line() if k > 0 else None
             return _shrunk(known_k[k], None if line is None else line[0] + line[1] * k)
         between = _between({kk: e.value for kk, e in known_k.items()}, k)
         if between is not None:

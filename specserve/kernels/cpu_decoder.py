@@ -250,7 +250,7 @@ class FusedStepArgs:
         width = max(len(bt) for bt in block_tables) or 1
         return cls(
             info=torch.tensor(seqs, dtype=torch.int32).view(len(seqs), 3),
-            tables=torch.tensor([[*bt, *[0] * (width - len(bt))] for bt in block_tables], dtype=torch.int32),
+            tables=_padded_tables(block_tables, width),
             positions=None if positions is None else torch.tensor(positions, dtype=torch.int32),
             tree_base=None if tree_base is None else torch.tensor(tree_base, dtype=torch.int32),
             tree_masks=None if tree_masks is None else torch.tensor(int64_masks(list(tree_masks)), dtype=torch.int64),
@@ -268,6 +268,11 @@ class FusedStepArgs:
         """(seq info, tables, width, positions, tree base, tree masks) for a C call."""
         return (_ptr(self.info), _ptr(self.tables), self.tables.shape[1], _ptr(self.positions),
                 _ptr(self.tree_base), _ptr(self.tree_masks))
+
+
+def _padded_tables(block_tables: Sequence[Sequence[int]], width: int) -> Tensor:
+    """(B, width) int32 block tables, each row padded with zeros."""
+    return torch.tensor([[*bt, *[0] * (width - len(bt))] for bt in block_tables], dtype=torch.int32)
 
 
 def _check_rc(rc: int) -> None:
@@ -553,7 +558,7 @@ class FusedHeadChain:
             raise ValueError(f"fused draft chain: {int(want.max())} drafts wanted, at most {K}")
         last = torch.tensor([p for p, _, _ in rows], dtype=torch.int32)
         width = max(len(t) for _, _, t in rows) or 1
-        tables = torch.tensor([[*t, *[0] * (width - len(t))] for _, _, t in rows], dtype=torch.int32)
+        tables = _padded_tables([t for _, _, t in rows], width)
         g = hidden.to(torch.bfloat16).contiguous()
         if g.shape != (B, f.hidden_size):
             raise ValueError(f"fused draft chain: states {tuple(g.shape)} for {B} rows")

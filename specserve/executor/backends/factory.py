@@ -236,10 +236,13 @@ class RunnerFactory:
         Where the head runs fused on the CPU (``fuse_head``: EAGLE-3 with its own LM
         head), the same greedy steps run in one C call (``cpu_decoder.FusedHeadChain``)."""
         fused = getattr(head, "fused", None)
-        if fused is not None and fused.eagle3 is not None and fused.has_logits:
-            from specserve.kernels.cpu_decoder import FusedHeadChain
+        if fused is not None:
+            from specserve.kernels.cpu_decoder import FusedHeadChain, KernelUnavailable
 
-            return FusedHeadChain(fused, head.draft_to_target, num_spec_tokens)
+            try:
+                return FusedHeadChain(fused, head.draft_to_target, num_spec_tokens)
+            except KernelUnavailable:  # an EAGLE-1 head, or one on the target's LM head: as below
+                pass
         if not self.plan(target).graphs:
             return None
         from specserve.executor.backends.head_graphs import HeadDraftGraphs
