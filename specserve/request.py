@@ -92,6 +92,24 @@ class SpeculationParams:
 
 
 @dataclass
+class ReasoningParams:
+    """The reasoning markers of a request's model as token ids, for the engine's gate
+    (``specserve.engine.reasoning_gate``): a grammar starts after the reasoning ends, and
+    ``SamplingParams.thinking_token_budget`` forces its end.  Built by the front ends from
+    the server's reasoning format (``specserve.formats.reasoning``).
+
+    ``start_token_ids`` / ``end_token_ids``: each spelling of the start and end markers;
+    ``state``: where the output starts, as the prompt leaves it ("open": inside the
+    reasoning, "closed": after it, "optional": it may open it); ``forced_token_ids``: what
+    a budget that runs out forces (an optional message, then the end marker)."""
+
+    start_token_ids: list[list[int]] = field(default_factory=list)
+    end_token_ids: list[list[int]] = field(default_factory=list)
+    state: str = "optional"
+    forced_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling controls (the names OpenAI and vLLM users know).
 
@@ -145,6 +163,10 @@ class SamplingParams:
     # Per-request speculation: a cap on this request's drafts per step (0 = off), or None
     # for the server's choice.  A dict of SpeculationParams' fields is taken too.
     speculation: SpeculationParams | None = None
+    # Reasoning models: at most this many tokens of reasoning, then its end is forced (vLLM's
+    # thinking_token_budget; needs ``reasoning``); ``reasoning``: the markers, set by the front ends.
+    thinking_token_budget: int | None = None
+    reasoning: ReasoningParams | None = None
 
     @property
     def num_speculative_tokens(self) -> int | None:
@@ -157,7 +179,7 @@ class SamplingParams:
         """Whether any control beyond temperature/top-k/top-p/min-p changes the logits."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
-            or self.min_tokens or self.structured_outputs is not None
+            or self.min_tokens or self.structured_outputs is not None or self.thinking_token_budget is not None
         )
 
     @property
@@ -295,6 +317,12 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidRequestError("cache_salt", "must be a non-empty string when given")
         self._validate_speculation(max_speculative_tokens)
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget)
+            if self.thinking_token_budget < 0:
+                raise InvalidRequestError("thinking_token_budget", f"must be >= 0, got {self.thinking_token_budget}")
+            if self.reasoning is None:
+                raise InvalidRequestError("thinking_token_budget", "needs a reasoning format (model.reasoning_format)")
         return self
 
 
