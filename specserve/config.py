@@ -48,6 +48,13 @@ class ModelConfig:
     # Directory for converted-weight caches (GGUF dequantisation is slow);
     # default: $SPECSERVE_CACHE_DIR or ~/.cache/specserve.
     cache_dir: Optional[str] = None
+    # Tool calls and reasoning (docs/server.md "Tools and reasoning"): the formats this model
+    # writes, a name (specserve.formats.tools / specserve.formats.reasoning) or a class of
+    # yours as "package.module:Class"; null = detected from the chat template, "none" = off.
+    tool_call_format: Optional[str] = None
+    reasoning_format: Optional[str] = None
+    # A chat template instead of the tokenizer's: a file's path or the template's text.
+    chat_template: Optional[str] = None
 
 
 @dataclass
@@ -103,6 +110,10 @@ class EngineConfig:
     # come from the prediction; with a method, at most its K.  Without a method this is
     # the engine's K (verification room), so predictions need no method; 0 = ignore them.
     num_prediction_tokens: int = 16
+    # Grammar-forced drafts: where a request's grammar (structured output, a forced tool call)
+    # or a thinking budget allows exactly one continuation, its tokens are drafted for free
+    # (at most the engine's K per step) and verified like any draft; false = off.
+    grammar_drafts: bool = True
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     # Chunked-prefill fairness: while other requests wait to be admitted, one request's
@@ -172,6 +183,16 @@ class ServerConfig:
     grammar_compile_threads: int = 2
     grammar_cache_entries: int = 64
     grammar_max_chars: int = 1_000_000
+    # Tools and reasoning: tool_choice "auto" needs a tool-call format and this switch (vLLM's
+    # --enable-auto-tool-choice, on here by default); reasoning_content_alias: reasoning is
+    # sent as `reasoning` and also as `reasoning_content` (the older name many clients read);
+    # every request's chat_template_kwargs start from default_chat_template_kwargs;
+    # thinking_budget_message: text forced before the end of the reasoning when a request's
+    # thinking_token_budget runs out ("" = the end marker alone).
+    enable_auto_tool_choice: bool = True
+    reasoning_content_alias: bool = True
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    thinking_budget_message: str = ""
 
 
 @dataclass
@@ -507,6 +528,7 @@ def validate_config(cfg: Config) -> Config:
         value = getattr(srv, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"server.{key}", f"must be a number of seconds > 0, got {value!r}")
+    _validate_chat_options(cfg)
     split_api_keys(srv.api_key, "server.api_key")
     if srv.metrics_key is not None and (not srv.metrics_key.strip() or "," in srv.metrics_key):
         raise ConfigError("server.metrics_key", "must be one non-empty key (no commas), or null")
@@ -528,6 +550,34 @@ def validate_config(cfg: Config) -> Config:
     for name in b.baselines:
         _choice("bench.baselines", name, ("specserve_vanilla", "hf"))
     return cfg
+
+
+def _validate_chat_options(cfg: Config) -> None:
+    """The model's formats (known names, loadable classes), its chat template file, and the
+    server's tool and reasoning options."""
+    from specserve.formats.chat import parse_template_kwargs
+    from specserve.formats.reasoning import REASONING_FORMATS
+    from specserve.formats.tools import TOOL_FORMATS
+    from specserve.errors import InvalidRequestError
+
+    m = cfg.model
+    for name, registry in ((m.tool_call_format, TOOL_FORMATS), (m.reasoning_format, REASONING_FORMATS)):
+        if name is not None and name != "none":
+            if not isinstance(name, str) or not name:
+                raise ConfigError(registry.key, f"must be a format name, \"none\" or null, got {name!r}")
+            registry.get(name)
+    if m.chat_template is not None and (not isinstance(m.chat_template, str) or not m.chat_template.strip()):
+        raise ConfigError("model.chat_template", "must be a file's path or a Jinja template's text")
+    srv = cfg.server
+    for key in ("enable_auto_tool_choice", "reasoning_content_alias"):
+        if not isinstance(getattr(srv, key), bool):
+            raise ConfigError(f"server.{key}", f"must be true or false, got {getattr(srv, key)!r}")
+    try:
+        parse_template_kwargs(dict(srv.default_chat_template_kwargs or {}))
+    except InvalidRequestError as e:
+        raise ConfigError("server.default_chat_template_kwargs", str(e).split(": ", 1)[-1]) from None
+    if not isinstance(srv.thinking_budget_message, str):
+        raise ConfigError("server.thinking_budget_message", "must be a string")
 
 
 # Keys users often put in the wrong place, with the fix to print.

@@ -389,6 +389,16 @@ class GrammarState:
             if not self.m.consume_token(t):
                 self._fail(t)
 
+    def forced(self, limit: int) -> list[int]:
+        """At most ``limit`` tokens the grammar forces next: llguidance's fast-forward tokens
+        (where one continuation is allowed), and after a complete grammar the end of
+        sequence (grammar-forced drafts)."""
+        if self.m.is_error():
+            return []
+        if self.m.is_stopped():
+            return self.eos[:1][:limit]
+        return list(self.m.compute_ff_tokens())[:limit]
+
     def _fail(self, token: int) -> None:
         why = _first_line(self.m.get_error()) if self.m.is_error() else "it allows no next token"
         log.warning("grammar failed at token %d: %s", token, why)

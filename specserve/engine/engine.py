@@ -37,6 +37,7 @@ import torch
 
 from specserve.config import Config
 from specserve.engine.output import OutputProcessor
+from specserve.engine.reasoning_gate import constraint_state, grammar_drafts
 from specserve.engine.requests import Drafts, RequestBlocks, RequestState, RequestTable, Verified
 from specserve.kv_blocks import BlockManager
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
@@ -45,6 +46,8 @@ from specserve.engine.stats import RequestFinishedStats, RequestStepStats, Stats
 from specserve.engine.tokenizer import Tokenizer
 from specserve.engine.spec_control import SpecController, tree_depth_choices
 from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeError
+from specserve.formats import load_chat_template
+from specserve.formats import resolve as resolve_formats
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model, resolve_device
 from specserve.executor.batch import SeqInput, StepBatch, draft_sizes, tree_depths
@@ -83,6 +86,9 @@ class ModelInfo:
     # the CPU's fused decoder), after the start-up checks.
     attention_backend: str = "torch"
     rejection_backend: str = "torch"
+    # The model's tool-call and reasoning formats (specserve.formats; None: none)
+    tool_call_format: str | None = None
+    reasoning_format: str | None = None
 
 
 def memory_budget(cfg: Config, target: LoadedModel, num_spec_tokens: int, graphs: bool, static: bool, extra_layers: int,
@@ -128,7 +134,7 @@ class LLMEngine:
             m = cfg.model
             target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir, cpu_kernel=e.cpu_kernel)
         self.target = target
-        self.tokenizer = Tokenizer(target.tokenizer, target.eos_token_ids)
+        self.tokenizer = Tokenizer(target.tokenizer, target.eos_token_ids, load_chat_template(cfg.model.chat_template))
         self.max_model_len = target.max_model_len
         spec = cfg.method
         # K, the most drafts a request verifies per step: the method's, or without a method
@@ -215,6 +221,8 @@ class LLMEngine:
             attention_backend=self.runner.attention_backend,
             rejection_backend=rejection.used,
         )
+        self.info.tool_call_format, self.info.reasoning_format = resolve_formats(
+            cfg.model.tool_call_format, cfg.model.reasoning_format, self.tokenizer.chat_template)
 
     # ------------------------------------------------------------ requests
     def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -259,6 +267,7 @@ class LLMEngine:
                            seed=self._request_seed(params))
             proc = OutputProcessor(self.tokenizer, seq.prompt_token_ids, params) if self.detokenize else None
             grammar = self._grammar_state(params) if params.structured_outputs is not None else None
+            grammar = constraint_state(params, grammar, (self.target.arch.vocab_size + 31) // 32)  # reasoning gate
             prompt_lps = [None] if params.prompt_logprobs is not None else None
             st = RequestState(seq, proc, grammar=grammar, prompt_lps=prompt_lps)
             self.requests.add(st)
@@ -460,6 +469,8 @@ class LLMEngine:
         """Drafts for the next step, proposed now that this step is verified; a
         proposer conditioned on the target reads this forward's states by row.
         Returns whether anything was asked of the proposer."""
+        forced = (grammar_drafts(self.requests, scheduled, self.num_spec_tokens, self.max_model_len)
+                  if self.cfg.engine.grammar_drafts else set())  # fmt: skip
         if self.proposer is None and self.predictions is None:
             return False
         # A request with speculation off (its own num_speculative_tokens 0) is never handed to
@@ -478,7 +489,7 @@ class LLMEngine:
             committed = s.num_new_tokens + (s.verified.num_accepted if s.verified is not None else 0)
             cap = seq.params.num_speculative_tokens  # the request's own bound on K (None: none)
             room = min(num_drafts, num_drafts if cap is None else cap,
-                       self.max_model_len - len(seq.token_ids) - 1) if s.sample else 0
+                       self.max_model_len - len(seq.token_ids) - 1) if s.sample and seq.request_id not in forced else 0
             start = batch.query_start[b]
             reqs.append(DraftRequest(seq, max(room, 0), self._hidden_rows(s, start, committed),
                                      tree=choice.tree and self._may_draft_tree(seq), tree_depth=choice.depth or None,
@@ -629,12 +640,14 @@ class LLMEngine:
                 seq.spec_stats.num_drafts += 1
                 seq.spec_stats.num_draft_tokens += len(d)
                 seq.spec_stats.num_accepted_tokens += a
-                self.spec_control.observe_drafts(len(d), a, tree=s.drafts.parents is not None, depth=s.drafts.depth)
+                if not s.drafts.num_forced:  # the method's drafts (forced ones say nothing of it)
+                    self.spec_control.observe_drafts(len(d), a, tree=s.drafts.parents is not None, depth=s.drafts.depth)
             n_pred = s.drafts.num_from_prediction  # leading drafts from the request's prediction
             stage = "updating its draft state"
             try:
                 if self.proposer is not None:  # drafts from a prediction are none of the method's
-                    self.proposer.on_verified(seq, before, 0 if n_pred else len(d), 0 if n_pred else a)
+                    mine = not (n_pred or s.drafts.num_forced)
+                    self.proposer.on_verified(seq, before, len(d) if mine else 0, a if mine else 0)
                 # K/V is valid for the fed tokens up to the pending one plus accepted drafts.
                 self.scheduler.commit(seq, seq.num_computed + s.num_new_tokens + a)
                 stage = "matching its stop tokens"

@@ -54,12 +54,14 @@ class Drafts:
     # parents first), verified as a tree in one forward; None: a chain.
     parents: list[int] | None = None
     depth: int = 0  # a tree's drafting steps as adaptive speculation chose them (0: as configured)
+    num_forced: int = 0  # drafts forced by the request's grammar or reasoning gate (none of the method's)
 
     def first(self, n: int) -> Drafts:
         """The first ``n`` drafts (those the scheduler made room for this step); a tree's
         first ``n`` nodes are a tree too (parents come first)."""
         parents = self.parents[:n] if self.parents is not None else None
-        return Drafts(self.token_ids[:n], self.probs, min(self.num_from_prediction, n), parents, self.depth)
+        return Drafts(self.token_ids[:n], self.probs, min(self.num_from_prediction, n), parents, self.depth,
+                      min(self.num_forced, n))
 
 
 @dataclass

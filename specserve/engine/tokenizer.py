@@ -29,8 +29,10 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded before the output (as the detokenize
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: tuple[int, ...]):
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: tuple[int, ...], chat_template: str | None = None):
         self.hf = hf_tokenizer
+        # model.chat_template when set (its text), else the tokenizer's own
+        self.chat_template: str | None = chat_template or getattr(hf_tokenizer, "chat_template", None)
         self.eos_token_ids = eos_token_ids
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self._max_token_chars: int | None = None
@@ -91,11 +93,16 @@ class Tokenizer:
 
     def _template_roles(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         """``messages`` with the developer role renamed to system for a template that lacks it."""
-        if DEVELOPER_ROLE in str(getattr(self.hf, "chat_template", None) or ""):
+        if DEVELOPER_ROLE in str(self.chat_template or ""):
             return messages
         return [{**m, "role": DEVELOPER_FALLBACK} if m["role"] == DEVELOPER_ROLE else m for m in messages]
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """The prompt's tokens.  Messages may carry what templates read besides role and
+        content (``tool_calls``, ``tool_call_id``, ``reasoning_content``: made by
+        ``specserve.formats.chat.template_messages``); ``tools`` and ``template_kwargs``
+        (``chat_template_kwargs``) are handed to the template."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages", "must be a non-empty list of {role, content}")
         for i, m in enumerate(messages):
@@ -108,12 +115,13 @@ class Tokenizer:
                 )
             if not isinstance(content, str):
                 raise InvalidRequestError(f"messages[{i}].content", "must be a string")
-        if not getattr(self.hf, "chat_template", None):
+        if not self.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template; send a prompt instead")
         messages = self._template_roles(messages)
         contents = [m["content"] for m in messages]
-        text = self._render(messages, contents, add_generation_prompt)
-        spans = _content_spans(text, self._render_marked(messages, add_generation_prompt), contents)
+        extra = {"tools": tools, **(template_kwargs or {})}
+        text = self._render(messages, contents, add_generation_prompt, extra)
+        spans = _content_spans(text, self._render_marked(messages, add_generation_prompt, extra), contents)
         if spans is not None:
             return self._encode_rendered(text, spans)
         # The template rewrites contents (beyond trimming), so where they lie is unknown:
@@ -127,11 +135,19 @@ class Tokenizer:
                     )
         return self.encode(text, add_special_tokens=False)  # the template holds any BOS it wants
 
-    def _render(self, messages: list[dict[str, str]], contents: list[str], add_generation_prompt: bool = True) -> str:
-        convo = [{"role": m["role"], "content": c} for m, c in zip(messages, contents)]
-        return self.hf.apply_chat_template(convo, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def _render(self, messages: list[dict[str, Any]], contents: list[str], add_generation_prompt: bool = True,
+                extra: dict | None = None) -> str:
+        import jinja2
 
-    def _render_marked(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[str] | None:
+        convo = [{**m, "content": c} for m, c in zip(messages, contents)]
+        try:
+            return self.hf.apply_chat_template(convo, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               chat_template=self.chat_template, **(extra or {}))  # fmt: skip
+        except jinja2.TemplateError as e:  # the template refused the conversation (raise_exception, ...)
+            raise InvalidRequestError("messages", f"the chat template cannot render them: {e}") from None
+
+    def _render_marked(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                       extra: dict | None = None) -> list[str] | None:
         """The template rendered with a marker in place of each content, split at the
         markers: [markup, message index, markup, ..., markup]; None if the template
         altered a marker (digits and private-use characters: case changes and trimming
@@ -140,8 +156,8 @@ class Tokenizer:
             nonce = f"{uuid.uuid4().int % 10**12:012d}"
             if not any(nonce in m["content"] for m in messages):
                 break
-        marked = self._render(messages, [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))],
-                              add_generation_prompt)  # fmt: skip
+        marked = self._render(messages, [f"\ue000{nonce}:{i}\ue001" if m["content"] else ""
+                                         for i, m in enumerate(messages)], add_generation_prompt, extra)  # fmt: skip
         pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", marked)
         return None if any(nonce in p for p in pieces[::2]) else pieces
 

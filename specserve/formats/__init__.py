@@ -30,3 +30,19 @@ def resolve(tool_format: str | None, reasoning_format: str | None,
         else:
             out.append(registry.detect(chat_template))
     return out[0], out[1]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``model.chat_template``: a file's path (read) or the template's own text; None: none."""
+    import os
+
+    from specserve.errors import ConfigError
+
+    if not value:
+        return None
+    if "{%" in value or "{{" in value:
+        return value
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    raise ConfigError("model.chat_template", f"{value[:200]!r} is neither a file nor a Jinja template")

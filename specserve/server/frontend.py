@@ -202,11 +202,16 @@ class Frontend:
             if isinstance(content, str):
                 check_text(f"messages[{i}].content", content)
                 chars += len(content)
+            if isinstance(m, dict) and isinstance(m.get("reasoning_content"), str):
+                check_text(f"messages[{i}].reasoning_content", m["reasoning_content"])
+                chars += len(m["reasoning_content"])
         self.check_length_bound("messages", chars)
 
-    async def tokenize_messages_async(self, messages: list[dict[str, str]]) -> list[int]:
+    async def tokenize_messages_async(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                                      template_kwargs: dict | None = None) -> list[int]:  # fmt: skip
+        """The chat prompt's tokens; ``tools`` and ``template_kwargs`` go to the template."""
         self._check_message_texts(messages)
-        return await self.run_off_loop(self.tokenize_messages, messages)
+        return await self.run_off_loop(self.tokenize_messages, messages, tools, template_kwargs)
 
     # ------------------------------------------------------------------ /tokenize, /detokenize
 
@@ -218,13 +223,15 @@ class Frontend:
         return await self.run_off_loop(lambda: list(tok.encode(text, add_special_tokens=add_special_tokens)))
 
     async def tokenize_chat_async(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                                  add_special_tokens: bool) -> list[int]:  # fmt: skip
+                                  add_special_tokens: bool, tools: list[dict] | None = None,
+                                  template_kwargs: dict | None = None) -> list[int]:  # fmt: skip
         """The tokens of ``messages`` rendered as the chat endpoint renders them."""
         self._check_message_texts(messages)
         tok = self.engine.tokenizer
 
         def work() -> list[int]:
-            ids = list(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+            extra = {"tools": tools, "template_kwargs": template_kwargs} if tools or template_kwargs else {}
+            ids = list(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra))
             return tok.with_special_tokens(ids) if add_special_tokens else ids
 
         return await self.run_off_loop(work)
@@ -282,9 +289,14 @@ class Frontend:
             raise InvalidRequestError(field, "token ids must be >= 0")
         return ids
 
-    def tokenize_messages(self, messages: list[dict[str, str]]) -> list[int]:
+    def tokenize_messages(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:  # fmt: skip
         # The tokenizer validates roles and contents (InvalidRequestError naming messages[i].role, ...).
-        ids = list(self.engine.tokenizer.apply_chat_template(messages))
+        tok = self.engine.tokenizer
+        if tools or template_kwargs:
+            ids = list(tok.apply_chat_template(messages, tools=tools, template_kwargs=template_kwargs))
+        else:
+            ids = list(tok.apply_chat_template(messages))
         if not ids:
             raise InvalidRequestError("messages", "the chat template produced an empty prompt")
         return ids

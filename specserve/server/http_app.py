@@ -38,7 +38,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specserve.errors import InvalidRequestError
+from specserve.formats.chat import template_messages
 from specserve.server.auth import METRICS_PATH, OPEN_HTTP_PATHS, ApiKeyChecker
+from specserve.server.chat_tools import ChatAnswers, apply_plan, chat_plan, render_chat
 from specserve.server.errors import INTERNAL, classify, openai_error_body
 from specserve.server.frontend import Frontend, SamplingFields, printable
 from specserve.server.openai_features import Features, completion_prompts, parse_features, serve_choices
@@ -52,7 +54,6 @@ INLINE_JSON_BYTES = 64 * 1024
 # (n, best_of, echo, logprobs, penalties, logit_bias, response_format: openai_features.py)
 _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "tools": (None, []),
 }
 
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
@@ -157,28 +158,10 @@ def _params(fe: Frontend, body: dict[str, Any], features: Features | None = None
         raise
 
 
-def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages", "is required: a non-empty list of {role, content} objects")
-    out = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise InvalidRequestError(f"messages[{i}]", "must be an object with role and content")
-        content = msg.get("content")
-        if content is None:  # e.g. an assistant turn that only called tools
-            content = ""
-        elif isinstance(content, list):  # content parts: only text is supported
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequestError(f"messages[{i}].content", "only text parts are supported")
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif not isinstance(content, str):
-            raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
-        out.append({"role": msg.get("role"), "content": content})  # the tokenizer checks the role
-    return out
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages as chat templates read them (tool calls, tool results, reasoning:
+    ``formats.chat.template_messages``); the tokenizer checks the roles."""
+    return template_messages(body.get("messages"))
 
 
 async def _prediction(fe: Frontend, body: dict[str, Any]) -> list[int] | None:
@@ -209,6 +192,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND_KEY]
     body = await _read_json(request)
     fe.check_model(body.get("model"))
+    if body.get("tools") not in (None, []):
+        raise InvalidRequestError("tools", "is a chat field: send tools to /v1/chat/completions")
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=False)
     prompts, texts = await completion_prompts(fe, body)
@@ -223,10 +208,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe.check_model(body.get("model"))
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=True)
-    ids = await fe.tokenize_messages_async(_chat_messages(body))
-    params = _params(fe, body, features, request.get(TENANT_KEY), [ids])
+    plan = chat_plan(fe, body)  # tools, tool_choice, reasoning, chat_template_kwargs
+    ids = await render_chat(fe, _chat_messages(body), plan)
+    params = apply_plan(plan, _params(fe, body, features, request.get(TENANT_KEY), [ids]), ids, fe.engine.tokenizer)
     params.prediction_token_ids = await _prediction(fe, body)
-    return await serve_choices(request, fe, True, [ids], [None], params, features, stream, include_usage)
+    answers = ChatAnswers(plan, fe.engine.tokenizer, ids)
+    return await serve_choices(request, fe, True, [ids], [None], params, features, stream, include_usage,
+                               answers if answers.active else None)
 
 
 def _model_card(fe: Frontend) -> dict[str, Any]:
@@ -289,7 +277,7 @@ async def tokenize(request: web.Request) -> web.Response:
     fe = request.app[FRONTEND_KEY]
     body = await _read_json(request)
     fe.check_model(body.get("model"))
-    for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "tools"):
+    for name in ("continue_final_message", "chat_template"):
         if body.get(name) not in (None, False, {}, []):
             raise InvalidRequestError(name, "is not supported by this server")
     chat = body.get("messages") is not None
@@ -298,7 +286,9 @@ async def tokenize(request: web.Request) -> web.Response:
     add_special = _optional_bool(body, "add_special_tokens") if "add_special_tokens" in body else not chat
     if chat:
         gen = _optional_bool(body, "add_generation_prompt") if "add_generation_prompt" in body else True
-        tokens = await fe.tokenize_chat_async(_chat_messages(body), gen, add_special)
+        plan = chat_plan(fe, {k: body.get(k) for k in ("tools", "chat_template_kwargs")} | {"tool_choice": "none"})
+        tokens = await fe.tokenize_chat_async(_chat_messages(body), gen, add_special, plan.template_tools,
+                                              plan.template_kwargs)  # fmt: skip
     else:
         if not isinstance(body["prompt"], str):
             raise InvalidRequestError("prompt", f"must be a string, got {type(body['prompt']).__name__}")

@@ -369,8 +369,9 @@ class Shaper:
     of choices."""
 
     def __init__(self, chat: bool, fe: Any, f: Features, texts: list[str | None], prompts: list[list[int]],
-                 spec_cap: int = 0):  # fmt: skip
+                 spec_cap: int = 0, answers: Any = None):  # fmt: skip
         self.chat, self.f, self.texts, self.prompts = chat, f, texts, prompts
+        self.answers = answers  # chat_tools.ChatAnswers: reasoning and tool calls parsed (None: plain text)
         self.spec_cap = spec_cap  # spec_decode.num_speculative_tokens: every choice shares it
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model = fe.model_name
@@ -413,6 +414,23 @@ class Shaper:
         if out is not None and out.finished:
             body["spec_decode"] = _spec_decode([out], self.spec_cap)
         return body
+
+    def chunks(self, job: _Job, out: RequestOutput, include_usage: bool) -> list[dict[str, Any]]:
+        """The stream chunks of one output: one, or with parsed answers one per delta."""
+        if self.answers is None or not self.chat:
+            return [self.chunk(job, out, include_usage)]
+        lps = self._logprobs(job, self._new_logprobs(job, out), False)
+        bodies = []
+        choices = self.answers.chunk_choices(job.index, out.new_text, _finish(out), lps)
+        for i, choice in enumerate(choices):
+            body = self._chunk_envelope()
+            body["choices"] = [choice]
+            if include_usage:
+                body["usage"] = None
+            if out.finished and i == len(choices) - 1:
+                body["spec_decode"] = _spec_decode([out], self.spec_cap)
+            bodies.append(body)
+        return bodies
 
     def usage_chunk(self, jobs: list[_Job]) -> dict[str, Any]:
         body = self._chunk_envelope()
@@ -467,8 +485,10 @@ class Shaper:
         out = job.last
         lps = self._logprobs(job, (out.logprobs or [])[: self.returned(job)], self.f.echo)
         if self.chat:
-            message = {"role": "assistant", "content": out.text}
-            return {"index": index, "message": message, "logprobs": lps, "finish_reason": _finish(out)}
+            message, finish = {"role": "assistant", "content": out.text}, _finish(out)
+            if self.answers is not None:  # reasoning and tool calls parsed out of the text
+                message, finish = self.answers.message(index, out.text, finish)
+            return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish}
         text = (self._prompt_text(job.prompt) + out.text) if self.f.echo else out.text
         return {"index": index, "text": text, "logprobs": lps, "finish_reason": _finish(out)}
 
@@ -503,9 +523,10 @@ def sse(obj: Any) -> bytes:
 
 async def serve_choices(request: web.Request, fe: Any, chat: bool, prompts: list[list[int]],
                         texts: list[str | None], params: SamplingParams, f: Features, stream: bool,
-                        include_usage: bool) -> web.StreamResponse:  # fmt: skip
-    """Run every choice of every prompt and answer with OpenAI's shapes, whole or streamed."""
-    shaper = Shaper(chat, fe, f, texts, prompts, fe.speculation_cap(params))
+                        include_usage: bool, answers: Any = None) -> web.StreamResponse:  # fmt: skip
+    """Run every choice of every prompt and answer with OpenAI's shapes, whole or streamed;
+    ``answers`` (``chat_tools.ChatAnswers``) parses reasoning and tool calls out of chat answers."""
+    shaper = Shaper(chat, fe, f, texts, prompts, fe.speculation_cap(params), answers)
     jobs = _jobs(fe, shaper.id, prompts, params, f)
     async with aclosing(_outputs(fe, jobs)) as items:
         if not stream:
@@ -526,7 +547,8 @@ async def serve_choices(request: web.Request, fe: Any, chat: bool, prompts: list
             while item is not None:
                 job, out = item
                 if out.new_text or out.new_token_ids or out.finished:
-                    await response.write(sse(shaper.chunk(job, out, include_usage)))
+                    for body in shaper.chunks(job, out, include_usage):
+                        await response.write(sse(body))
                 item = await anext(items, None)
             if include_usage:
                 await response.write(sse(shaper.usage_chunk(jobs)))
