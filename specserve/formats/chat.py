@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.errors import InvalidRequestError
-from specserve.formats.tools.base import FunctionTool, ToolCall, ToolEvent, merge_events, new_call_id
+from specserve.formats.tools.base import FunctionTool, ToolCall, ToolEvent, merge_events, new_call_id, resolve_tags
 from specserve.request import ReasoningParams, StructuredOutputsParams
 
 __all__ = [
@@ -142,11 +142,11 @@ def check_tool_schemas(tools: list[FunctionTool], field: str = "tools", flat: bo
         where = f"{field}[{i}].parameters" if flat else f"{field}[{i}].function.parameters"
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(strict_schema(t.parameters))
-            ok, _, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(where, f"is not a valid JSON schema: {str(e).splitlines()[0][:300]}") from None
-        if not ok:
-            raise InvalidRequestError(where, f"is not a valid JSON schema: {str(problems)[:300]}")
+        if failed:
+            raise InvalidRequestError(where, f"is not a valid JSON schema: {'; '.join(messages)[:300]}")
 
 
 @dataclass(frozen=True)
@@ -420,13 +420,14 @@ class ChatPlan:
 
         return OpenAIJsonFormat(named=self.choice.mode == "named")
 
-    def structured(self) -> StructuredOutputsParams | None:
-        """The grammar that enforces "required" or a named function (None otherwise)."""
+    def structured(self, tokenizer: Any = None) -> StructuredOutputsParams | None:
+        """The grammar that enforces "required" or a named function (None otherwise); the
+        format's tags as the tokenizer's own tokens for them where it has some."""
         if self.choice.mode not in ("required", "named"):
             return None
         tools = self._callable()
         parallel = self.parallel and self.choice.mode == "required"
-        return StructuredOutputsParams(grammar=self._format().grammar(tools, parallel))
+        return StructuredOutputsParams(grammar=resolve_tags(self._format().grammar(tools, parallel), tokenizer))
 
     @property
     def reasoning_on(self) -> bool:

@@ -80,7 +80,7 @@ async def render_chat(fe: Any, messages: list[dict[str, Any]], plan: ChatPlan, f
 def apply_plan(plan: ChatPlan, params: SamplingParams, prompt_ids: list[int], tokenizer: Any,
                field: str = "response_format") -> SamplingParams:  # fmt: skip
     """``params`` with the plan's grammar (a forced call), reasoning markers and budget."""
-    forced = plan.structured()
+    forced = plan.structured(tokenizer)
     if forced is not None:
         if params.structured_outputs is not None:
             raise InvalidRequestError(field, f'cannot be combined with tool_choice {plan.choice.mode!r} (the call '

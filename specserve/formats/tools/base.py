@@ -28,6 +28,7 @@ until something other than whitespace follows).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "ContentBuffer", "FunctionTool", "ParsedOutput", "ToolCall", "ToolCallFormat", "ToolEvent", "ToolParser",
-    "assemble", "merge_events", "new_call_id", "partial_tag", "strict_schema",
+    "assemble", "lark_tag", "merge_events", "new_call_id", "partial_tag", "resolve_tags", "strict_schema",
 ]  # fmt: skip
 
 
@@ -270,3 +271,27 @@ def lark_json(schema: dict) -> str:
 def lark_string(text: str) -> str:
     """``text`` as a Lark string literal."""
     return json.dumps(text, ensure_ascii=False)
+
+
+_TAG = re.compile(r'\x00("(?:[^"\\]|\\.)*")\x00')
+
+
+def lark_tag(text: str) -> str:
+    """A format's tag (``<tool_call>``) in a grammar: resolved by :func:`resolve_tags` to the
+    tokenizer's one token for it where it has one (as the model writes it), else the text."""
+    return "\x00" + json.dumps(text, ensure_ascii=False) + "\x00"
+
+
+def resolve_tags(grammar: str, tokenizer: Any = None) -> str:
+    """``grammar`` with its tags (``lark_tag``) as token references (``<[id]>``) where the
+    tokenizer encodes a tag as one token of its own, else as text literals."""
+
+    def one(m: re.Match) -> str:
+        text = json.loads(m.group(1))
+        if tokenizer is not None:
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=False) == text and len(text) > 1:
+                return f"<[{ids[0]}]>"
+        return lark_string(text)
+
+    return _TAG.sub(one, grammar)

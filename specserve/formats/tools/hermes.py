@@ -23,6 +23,7 @@ from specserve.formats.tools.base import (
     arguments_text,
     lark_json,
     lark_string,
+    lark_tag,
     new_call_id,
     partial_tag,
 )
@@ -189,7 +190,7 @@ class HermesFormat(ToolCallFormat):
     def grammar(self, tools: list[FunctionTool], parallel: bool) -> str:
         rules = [f"fn{i}: {lark_json(call_object_schema(t))}" for i, t in enumerate(tools)]
         body = " | ".join(f"fn{i}" for i in range(len(tools)))
-        call = f"call: {lark_string(OPEN + chr(10))} ({body}) {lark_string(chr(10) + CLOSE)}"
+        call = f"call: {lark_tag(OPEN)} {lark_string(chr(10))} ({body}) {lark_string(chr(10))} {lark_tag(CLOSE)}"
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return "\n".join([start, call, *rules])
 

@@ -31,6 +31,7 @@ from specserve.formats.tools.base import (
     ToolParser,
     lark_json,
     lark_string,
+    lark_tag,
     new_call_id,
     partial_tag,
 )
@@ -270,7 +271,7 @@ class Qwen3CoderFormat(ToolCallFormat):
             rules.append(f"fn{i}: {lark_string(f'{FUNC}{t.name}>{chr(10)}')} {' '.join(parts)} "
                          f"{lark_string(FUNC_END)}")  # fmt: skip
         body = " | ".join(f"fn{i}" for i in range(len(tools)))
-        call = f"call: {lark_string(OPEN + chr(10))} ({body}) {lark_string(chr(10) + CLOSE)}"
+        call = f"call: {lark_tag(OPEN)} {lark_string(chr(10))} ({body}) {lark_string(chr(10))} {lark_tag(CLOSE)}"
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return "\n".join([start, call, *rules])
 
