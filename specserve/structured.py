@@ -361,19 +361,26 @@ class GrammarState:
         returned.  The matcher is left as it was."""
         rows = np.zeros((len(drafts) + 1, self.words), dtype=np.int32)
         self._dead = None
-        n = 0
+        n = consumed = 0
         if not self._fill(rows[0]):
             self._dead = 0
         else:
             for d in drafts:
-                if not (int(rows[n][d >> 5]) >> (d & 31)) & 1 or not self.m.consume_token(d):
+                if not (int(rows[n][d >> 5]) >> (d & 31)) & 1:
+                    break
+                if self.m.is_stopped():  # complete: the draft is an end of sequence, which ends the output
+                    n += 1  # (not consumed: llguidance would not roll it back)
+                    rows[n] = rows[n - 1]
+                    break
+                if not self.m.consume_token(d):
                     break
                 n += 1
+                consumed += 1
                 if not self._fill(rows[n]):
                     self._dead = n
                     break
-        if n:
-            self.m.rollback(n)
+        if consumed:
+            self.m.rollback(consumed)
         return rows[: n + 1], n
 
     def advance(self, tokens: list[int]) -> None:
