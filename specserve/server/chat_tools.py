@@ -31,7 +31,7 @@ from specserve.formats.chat import (
 )
 from specserve.request import SamplingParams
 
-__all__ = ["ChatAnswers", "apply_plan", "chat_formats", "chat_plan", "render_chat"]
+__all__ = ["ChatAnswers", "apply_plan", "chat_formats", "chat_plan", "reasoning_tokens", "render_chat"]
 
 _FORMATS_ATTR = "_chat_formats"
 
@@ -146,3 +146,23 @@ class ChatAnswers:
                 out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
             out[0]["logprobs"] = logprobs
         return out
+
+
+def reasoning_tokens(plan: ChatPlan, tokenizer: Any, state: str | None, token_ids: list[int]) -> int:
+    """How many of an answer's tokens are reasoning: those before its end marker's tokens
+    (after a start marker the answer opened with), all of them when it never ended."""
+    if state is None or state == "closed" or not plan.reasoning_on:
+        return 0
+    starts, ends, _ = plan.formats.markers(tokenizer)
+    ids = list(token_ids)
+    first = 0
+    if state == "optional":
+        opened = [s for s in starts if s and ids[: len(s)] == s]
+        if not opened:
+            return 0
+        first = len(opened[0])
+    for k in range(first, len(ids)):
+        for e in ends:
+            if e and ids[k : k + len(e)] == e:
+                return k - first
+    return len(ids) - first

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP front end (aiohttp).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-``stream: true`` as server-sent events ending in ``data: [DONE]``),
+``stream: true`` as server-sent events ending in ``data: [DONE]``; chat with tools and
+reasoning: ``chat_tools``), ``POST /v1/responses`` (OpenAI's Responses API, stateless:
+``responses``),
 ``GET /v1/models[/{model}]`` (one card per served name: ``model.name`` and
 ``server.served_model_aliases``; a request may name any of them),
 ``GET /health`` and ``GET``/``POST /ping`` (200 serving / 503 not; no key),
@@ -41,6 +43,7 @@ from specserve.errors import InvalidRequestError
 from specserve.formats.chat import template_messages
 from specserve.server.auth import METRICS_PATH, OPEN_HTTP_PATHS, ApiKeyChecker
 from specserve.server.chat_tools import ChatAnswers, apply_plan, chat_plan, render_chat
+from specserve.server.responses import create_response
 from specserve.server.errors import INTERNAL, classify, openai_error_body
 from specserve.server.frontend import Frontend, SamplingFields, printable
 from specserve.server.openai_features import Features, completion_prompts, parse_features, serve_choices
@@ -217,6 +220,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                answers if answers.active else None)
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API (``server.responses``)."""
+    fe = request.app[FRONTEND_KEY]
+    body = await _read_json(request)
+    fe.check_model(body.get("model"))
+    return await create_response(request, fe, body, request.get(TENANT_KEY))
+
+
 def _model_card(fe: Frontend) -> dict[str, Any]:
     info = fe.engine.info
     return {
@@ -373,6 +384,7 @@ def build_http_app(frontend: Frontend, checker: ApiKeyChecker) -> web.Applicatio
     app.on_response_prepare.append(_close_when_needed)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
