@@ -49,6 +49,7 @@ class PreparedRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    answer: Any = None  # gRPC: the answer's parser (grpc_chat.GrpcAnswer) when it reads tools or reasoning
 
 
 @dataclass

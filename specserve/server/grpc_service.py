@@ -38,6 +38,8 @@ from specserve.server.errors import (
     public_message,
 )
 from specserve.server.frontend import Frontend, PreparedRequest, SamplingFields, printable
+from specserve.server.chat_tools import ChatAnswers, apply_plan, render_chat
+from specserve.server.grpc_chat import GrpcAnswer, grpc_messages, grpc_plan
 from specserve.v1 import specserve_pb2 as pb
 from specserve.v1 import specserve_pb2_grpc as pb_grpc
 
@@ -193,6 +195,12 @@ def _response(
     return msg
 
 
+def _finish_as(msg: pb.GenerateResponse, reason: str | None) -> None:
+    """An answer that ended with tool calls finishes with FINISH_REASON_TOOL_CALLS."""
+    if reason == "tool_calls":
+        msg.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+
+
 @asynccontextmanager
 async def _deadline(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
     """Abort the work inside at the call's deadline (DEADLINE_EXCEEDED)."""
@@ -224,20 +232,24 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
         request = _parsed(request)
         fe.check_model(request.model)
         which = request.WhichOneof("input")
+        if which is None:
+            raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
+        plan = grpc_plan(fe, request, which == "messages")  # tools, reasoning (grpc_chat)
         if which == "prompt":
             ids = await fe.tokenize_prompt_async(request.prompt)
         elif which == "prompt_token_ids":
             ids = fe.check_token_ids(list(request.prompt_token_ids.ids))
-        elif which == "messages":
-            msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            ids = await fe.tokenize_messages_async(msgs)
         else:
-            raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
+            ids = await render_chat(fe, grpc_messages(request.messages.messages), plan)
         fields = sampling_fields(request.sampling_params)
         fields.cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         params = fe.make_params(fields, self._tenant(context), len(ids))  # a default max_tokens fits the prompt
+        params = apply_plan(plan, params, ids, fe.engine.tokenizer, field="json_schema")
         params.prediction_token_ids = await fe.tokenize_prediction_async(request.prediction)
-        return fe.prepare(request.request_id, ids, params)
+        req = fe.prepare(request.request_id, ids, params)
+        if which == "messages" and ChatAnswers(plan, fe.engine.tokenizer, ids).active:
+            req.answer = GrpcAnswer(plan, plan.prompt_state(fe.engine.tokenizer, ids) if plan.reasoning_on else None)
+        return req
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         kind = classify(exc)
@@ -262,6 +274,8 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             n = _returned(self.fe, req, last)
             msg = _response(req.request_id, last.text, list(last.token_ids[:n]), last, n,
                             self.fe.speculation_cap(req.params))
+            if req.answer is not None:  # content, reasoning and tool calls parsed (grpc_chat)
+                _finish_as(msg, req.answer.whole(msg, last.text, last.finish_reason.value))
             tok = self.fe.engine.tokenizer
             msg.logprobs.extend(_logprob_msgs(tok, (last.logprobs or [])[:n]))
             msg.prompt_logprobs.extend(_logprob_msgs(tok, prompt_lps))
@@ -281,6 +295,9 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
                             keep = max(0, len(out.new_token_ids) - (len(out.token_ids) - n))  # none past a stop
                             msg = _response(req.request_id, out.new_text, list(out.new_token_ids[:keep]), out, n,
                                             self.fe.speculation_cap(req.params))
+                            if req.answer is not None:
+                                reason = out.finish_reason.value if out.finished and out.finish_reason else None
+                                _finish_as(msg, req.answer.delta(msg, out.new_text, reason))
                             tok = self.fe.engine.tokenizer
                             msg.logprobs.extend(_logprob_msgs(tok, (out.new_logprobs or [])[:keep]))
                             msg.prompt_logprobs.extend(_logprob_msgs(tok, out.prompt_logprobs))
@@ -306,6 +323,8 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             draft_tensor_parallel_size=int(getattr(info, "draft_tensor_parallel_size", 1)),
             attention_backend=str(getattr(info, "attention_backend", "")),
             rejection_backend=str(getattr(info, "rejection_backend", "")),
+            tool_call_format=getattr(info, "tool_call_format", None) or "",
+            reasoning_format=getattr(info, "reasoning_format", None) or "",
         )
 
 

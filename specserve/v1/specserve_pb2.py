@@ -24,43 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecserve/v1/specserve.proto\x12\x0cspecserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\xb7\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x14 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x15 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x16 \x01(\x01H\x06\x88\x01\x01\x12+\n\nlogit_bias\x18\x17 \x03(\x0b\x32\x17.specserve.v1.LogitBias\x12\x12\n\nmin_tokens\x18\x18 \x01(\r\x12\x15\n\x08logprobs\x18\x19 \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1a \x01(\rH\x08\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x1b \x01(\t\x12\x13\n\x0bjson_object\x18\x1c \x01(\x08\x12\r\n\x05regex\x18\x1d \x01(\t\x12\x0e\n\x06\x63hoice\x18\x1e \x03(\t\x12\x0f\n\x07grammar\x18\x1f \x01(\t\x12.\n\x0bspeculation\x18( \x01(\x0b\x32\x19.specserve.v1.SpeculationB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"M\n\x0bSpeculation\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.specserve.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xa6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12\x35\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x12\n\nprediction\x18\x14 \x01(\tB\x07\n\x05inputB\r\n\x0b_cache_salt\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x14 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x15 \x01(\r\"\x9c\x01\n\x0fSpecDecodeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x04\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\"\xb5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x32\n\x0bspec_decode\x18\x06 \x01(\x0b\x32\x1d.specserve.v1.SpecDecodeStats\x12,\n\x08logprobs\x18\x14 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x15 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\x8f\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x10\n\x08lossless\x18\x07 \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x1e \x01(\r\x12\"\n\x1a\x64raft_tensor_parallel_size\x18\x1f \x01(\r\x12\x19\n\x11\x61ttention_backend\x18( \x01(\t\x12\x19\n\x11rejection_backend\x18) \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf5\x01\n\tSpecServe\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.specserve.v1.GetModelInfoRequest\x1a\x17.specserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecserve/v1/specserve.proto\x12\x0cspecserve.v1\"\x8f\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\n \x01(\t\x12*\n\ntool_calls\x18\x0b \x03(\x0b\x32\x16.specserve.v1.ToolCall\x12\x11\n\treasoning\x18\x0c \x01(\t\x12\x0c\n\x04name\x18\r \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\",\n\nToolChoice\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"F\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\xf5\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x14 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x15 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x16 \x01(\x01H\x06\x88\x01\x01\x12+\n\nlogit_bias\x18\x17 \x03(\x0b\x32\x17.specserve.v1.LogitBias\x12\x12\n\nmin_tokens\x18\x18 \x01(\r\x12\x15\n\x08logprobs\x18\x19 \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1a \x01(\rH\x08\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x1b \x01(\t\x12\x13\n\x0bjson_object\x18\x1c \x01(\x08\x12\r\n\x05regex\x18\x1d \x01(\t\x12\x0e\n\x06\x63hoice\x18\x1e \x03(\t\x12\x0f\n\x07grammar\x18\x1f \x01(\t\x12.\n\x0bspeculation\x18( \x01(\x0b\x32\x19.specserve.v1.Speculation\x12\"\n\x15thinking_token_budget\x18< \x01(\rH\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x18\n\x16_thinking_token_budget\"M\n\x0bSpeculation\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.specserve.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x8d\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12\x35\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x12\n\nprediction\x18\x14 \x01(\t\x12!\n\x05tools\x18< \x03(\x0b\x32\x12.specserve.v1.Tool\x12-\n\x0btool_choice\x18= \x01(\x0b\x32\x18.specserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18> \x01(\x08H\x02\x88\x01\x01\x12!\n\x19\x63hat_template_kwargs_json\x18? \x01(\t\x12\x1f\n\x12separate_reasoning\x18@ \x01(\x08H\x03\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_cache_saltB\x16\n\x14_parallel_tool_callsB\x15\n\x13_separate_reasoning\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x14 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x15 \x01(\r\"\x9c\x01\n\x0fSpecDecodeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x04\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\"\x85\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x32\n\x0bspec_decode\x18\x06 \x01(\x0b\x32\x1d.specserve.v1.SpecDecodeStats\x12,\n\x08logprobs\x18\x14 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x15 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x0f\n\x07\x63ontent\x18< \x01(\t\x12\x11\n\treasoning\x18= \x01(\t\x12*\n\ntool_calls\x18> \x03(\x0b\x32\x16.specserve.v1.ToolCall\"\x15\n\x13GetModelInfoRequest\"\xc3\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x10\n\x08lossless\x18\x07 \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x1e \x01(\r\x12\"\n\x1a\x64raft_tensor_parallel_size\x18\x1f \x01(\r\x12\x19\n\x11\x61ttention_backend\x18( \x01(\t\x12\x19\n\x11rejection_backend\x18) \x01(\t\x12\x18\n\x10tool_call_format\x18< \x01(\t\x12\x18\n\x10reasoning_format\x18= \x01(\t*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xf5\x01\n\tSpecServe\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.specserve.v1.GetModelInfoRequest\x1a\x17.specserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.specserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2375
-  _globals['_FINISHREASON']._serialized_end=2495
-  _globals['_CHATMESSAGE']._serialized_start=46
-  _globals['_CHATMESSAGE']._serialized_end=90
-  _globals['_TOKENIDS']._serialized_start=92
-  _globals['_TOKENIDS']._serialized_end=115
-  _globals['_CHATMESSAGES']._serialized_start=117
-  _globals['_CHATMESSAGES']._serialized_end=176
-  _globals['_SAMPLINGPARAMS']._serialized_start=179
-  _globals['_SAMPLINGPARAMS']._serialized_end=874
-  _globals['_SPECULATION']._serialized_start=876
-  _globals['_SPECULATION']._serialized_end=953
-  _globals['_LOGITBIAS']._serialized_start=955
-  _globals['_LOGITBIAS']._serialized_end=998
-  _globals['_TOKENLOGPROB']._serialized_start=1000
-  _globals['_TOKENLOGPROB']._serialized_end=1112
-  _globals['_TOPLOGPROB']._serialized_start=1114
-  _globals['_TOPLOGPROB']._serialized_end=1176
-  _globals['_GENERATEREQUEST']._serialized_start=1179
-  _globals['_GENERATEREQUEST']._serialized_end=1473
-  _globals['_USAGE']._serialized_start=1476
-  _globals['_USAGE']._serialized_end=1605
-  _globals['_SPECDECODESTATS']._serialized_start=1608
-  _globals['_SPECDECODESTATS']._serialized_end=1764
-  _globals['_GENERATERESPONSE']._serialized_start=1767
-  _globals['_GENERATERESPONSE']._serialized_end=2076
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2078
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2099
-  _globals['_MODELINFO']._serialized_start=2102
-  _globals['_MODELINFO']._serialized_end=2373
-  _globals['_SPECSERVE']._serialized_start=2498
-  _globals['_SPECSERVE']._serialized_end=2743
+  _globals['_FINISHREASON']._serialized_start=3103
+  _globals['_FINISHREASON']._serialized_end=3253
+  _globals['_CHATMESSAGE']._serialized_start=47
+  _globals['_CHATMESSAGE']._serialized_end=190
+  _globals['_TOOL']._serialized_start=192
+  _globals['_TOOL']._serialized_end=274
+  _globals['_TOOLCHOICE']._serialized_start=276
+  _globals['_TOOLCHOICE']._serialized_end=320
+  _globals['_TOOLCALL']._serialized_start=322
+  _globals['_TOOLCALL']._serialized_end=392
+  _globals['_TOKENIDS']._serialized_start=394
+  _globals['_TOKENIDS']._serialized_end=417
+  _globals['_CHATMESSAGES']._serialized_start=419
+  _globals['_CHATMESSAGES']._serialized_end=478
+  _globals['_SAMPLINGPARAMS']._serialized_start=481
+  _globals['_SAMPLINGPARAMS']._serialized_end=1238
+  _globals['_SPECULATION']._serialized_start=1240
+  _globals['_SPECULATION']._serialized_end=1317
+  _globals['_LOGITBIAS']._serialized_start=1319
+  _globals['_LOGITBIAS']._serialized_end=1362
+  _globals['_TOKENLOGPROB']._serialized_start=1364
+  _globals['_TOKENLOGPROB']._serialized_end=1476
+  _globals['_TOPLOGPROB']._serialized_start=1478
+  _globals['_TOPLOGPROB']._serialized_end=1540
+  _globals['_GENERATEREQUEST']._serialized_start=1543
+  _globals['_GENERATEREQUEST']._serialized_end=2068
+  _globals['_USAGE']._serialized_start=2071
+  _globals['_USAGE']._serialized_end=2200
+  _globals['_SPECDECODESTATS']._serialized_start=2203
+  _globals['_SPECDECODESTATS']._serialized_end=2359
+  _globals['_GENERATERESPONSE']._serialized_start=2362
+  _globals['_GENERATERESPONSE']._serialized_end=2751
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2753
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2774
+  _globals['_MODELINFO']._serialized_start=2777
+  _globals['_MODELINFO']._serialized_end=3100
+  _globals['_SPECSERVE']._serialized_start=3256
+  _globals['_SPECSERVE']._serialized_end=3501
 # @@protoc_insertion_point(module_scope)

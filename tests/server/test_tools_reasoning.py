@@ -310,3 +310,70 @@ def test_auto_without_a_format_names_the_key(tmp_path_factory):
         assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("utc", "cet")
     finally:
         s.close()
+
+
+# --------------------------------------------------------------------------- gRPC
+
+
+def test_grpc_carries_tools_tool_calls_and_reasoning(qwen_ngram):
+    import grpc
+
+    from specserve.v1 import specserve_pb2 as pb
+    from specserve.v1 import specserve_pb2_grpc as pb_grpc
+
+    s = qwen_ngram
+    channel = grpc.insecure_channel(f"127.0.0.1:{s.handle.grpc_port}")
+    stub = pb_grpc.SpecServeStub(channel)
+    try:
+        info = stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert (info.tool_call_format, info.reasoning_format) == ("hermes", "qwen3")
+        tools = [pb.Tool(name=t["function"]["name"], parameters_json=json.dumps(t["function"]["parameters"]))
+                 for t in TOOLS]  # fmt: skip
+        req = pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=USER[0]["content"])]),
+            sampling_params=pb.SamplingParams(temperature=0, max_tokens=200, thinking_token_budget=5),
+            tools=tools, tool_choice=pb.ToolChoice(mode="required"), parallel_tool_calls=False, model=MODEL,
+        )  # fmt: skip
+        whole = stub.Generate(req)
+        assert whole.finish_reason == pb.FINISH_REASON_TOOL_CALLS and whole.reasoning and not whole.content
+        (call,) = whole.tool_calls
+        # the same answer over HTTP
+        http = chat(s, tools=TOOLS, tool_choice="required", thinking_token_budget=5, max_tokens=200,
+                    parallel_tool_calls=False)  # fmt: skip
+        assert summary(http.choices[0]) == (None, whole.reasoning, [(call.name, call.arguments)], "tool_calls")
+        # streamed: a call's first delta has its id and name, then argument fragments
+        reasoning, calls, finish = "", {}, None
+        for msg in stub.GenerateStream(req):
+            reasoning += msg.reasoning
+            for c in msg.tool_calls:
+                if c.id:
+                    assert c.index not in calls and not c.arguments
+                    calls[c.index] = [c.id, c.name, ""]
+                else:
+                    calls[c.index][2] += c.arguments
+            finish = msg.finish_reason or finish
+        assert reasoning == whole.reasoning and finish == pb.FINISH_REASON_TOOL_CALLS
+        assert [(n, a) for _, n, a in calls.values()] == [(call.name, call.arguments)]
+        # history with a call and its result reaches the template
+        history = pb.ChatMessages(messages=[
+            pb.ChatMessage(role="user", content="hi"),
+            pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="c1", name="get_time", arguments='{"zone": "utc"}')]),
+            pb.ChatMessage(role="tool", tool_call_id="c1", content="12:00"),
+        ])  # fmt: skip
+        out = stub.Generate(pb.GenerateRequest(messages=history, model=MODEL, sampling_params=pb.SamplingParams(
+            temperature=0, max_tokens=4, thinking_token_budget=1)))  # fmt: skip
+        assert out.finish_reason == pb.FINISH_REASON_LENGTH and list(out.token_ids).index(262) == 1  # </think>
+        for bad, field in [
+            (pb.GenerateRequest(prompt="hi", tools=tools, model=MODEL), "tools"),
+            (pb.GenerateRequest(messages=req.messages, tools=tools, tool_choice=pb.ToolChoice(function="nope")),
+             "tool_choice.function.name"),
+            (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="tool", content="x")])),
+             "messages[0].tool_call_id"),
+            (pb.GenerateRequest(messages=req.messages, tools=[pb.Tool(name="f", parameters_json="{")]),
+             "tools[0].parameters_json"),
+        ]:  # fmt: skip
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Generate(bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field + ":")
+    finally:
+        channel.close()
