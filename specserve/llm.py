@@ -87,6 +87,11 @@ class CompletionOutput:
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    # chat with tools or a reasoning format (specserve.formats): the answer parsed out of ``text``
+    # (which stays the raw text, as vLLM's): its content, reasoning and tool calls (OpenAI's shape)
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -250,8 +255,17 @@ class _Prompts:
             return None, list(prompt)
         raise InvalidRequestError(f"prompts[{i}]", f"must be a string or a list of token ids, got {prompt!r:.60}")
 
-    def chat(self, conversation: Any, i: int) -> tuple[str, list[int]]:
-        ids = self.tokenizer.apply_chat_template([dict(m) for m in conversation])
+    def chat(self, conversation: Any, i: int, plan: Any = None) -> tuple[str, list[int]]:
+        """A conversation rendered (OpenAI's messages: tool calls and results included), with
+        the plan's tools and chat_template_kwargs."""
+        from specserve.formats.chat import template_messages
+
+        messages = template_messages([dict(m) for m in conversation])
+        if plan is not None and (plan.tools or plan.template_kwargs):
+            ids = self.tokenizer.apply_chat_template(messages, tools=plan.template_tools,
+                                                     template_kwargs=plan.template_kwargs)  # fmt: skip
+        else:
+            ids = self.tokenizer.apply_chat_template(messages)
         return self.tokenizer.decode(ids, skip_special_tokens=False), ids
 
     def params_for(self, params: SamplingParams, n_prompt: int) -> SamplingParams:
@@ -357,7 +371,13 @@ class LLM:
         (``SamplingParams()``: temperature 1, 16 tokens, as in vLLM)."""
         items = _prompt_list(prompts)
         encoded = [self._prompts.encode(p, i) for i, p in enumerate(items)]
-        return self._run(encoded, _params_list(sampling_params, len(items)), use_tqdm)
+        params = _params_list(sampling_params, len(items))
+        if any(sp.thinking_token_budget is not None and sp.reasoning is None for sp in params):
+            from specserve.formats.chat import ChatPlan
+
+            plan = ChatPlan(self._chat_formats())  # the budget's markers, read from each prompt's end
+            params = [self._planned(plan, sp, ids) for sp, (_, ids) in zip(params, encoded)]
+        return self._run(encoded, params, use_tqdm)
 
     def chat(
         self,
@@ -365,12 +385,49 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[GenerationOutput]:
         """One conversation ``[{"role": ..., "content": ...}, ...]`` or a list of them,
-        rendered with the model's chat template (as the servers' chat endpoint does)."""
+        rendered with the model's chat template (as the servers' chat endpoint does).
+
+        As vLLM's: ``tools`` (OpenAI's function tools) and ``chat_template_kwargs`` go to the
+        template.  ``tool_choice`` ("auto" with tools, "required", a named function, "none")
+        and ``parallel_tool_calls`` as on the chat endpoint: "required" and named choices are
+        enforced by a grammar after the reasoning.  With tools to read or a reasoning format,
+        ``outputs[0]`` also has the answer parsed: ``content``, ``reasoning``, ``tool_calls``
+        (``text`` stays the raw text); ``SamplingParams(thinking_token_budget=n)`` caps the
+        reasoning."""
+        from specserve.formats.chat import ChatPlan
+
         convs = _conversations(messages)
-        encoded = [self._prompts.chat(c, i) for i, c in enumerate(convs)]
-        return self._run(encoded, _params_list(sampling_params, len(convs)), use_tqdm)
+        plan = ChatPlan.from_fields(self._chat_formats(), tools=tools, tool_choice=tool_choice,
+                                    parallel_tool_calls=parallel_tool_calls,
+                                    chat_template_kwargs=chat_template_kwargs)  # fmt: skip
+        encoded = [self._prompts.chat(c, i, plan) for i, c in enumerate(convs)]
+        params = [self._planned(plan, sp, ids) for sp, (_, ids) in zip(_params_list(sampling_params, len(convs)), encoded)]
+        outs = self._run(encoded, params, use_tqdm)
+        if plan.parses_tools or plan.reasoning_on:
+            for out, (_, ids) in zip(outs, encoded):
+                _parse_answer(plan, self.tokenizer, ids, out.outputs[0])
+        return outs
+
+    def _chat_formats(self):
+        from specserve.formats.chat import ChatFormats
+
+        srv = self.config.server
+        return ChatFormats(self.engine.info.tool_call_format, self.engine.info.reasoning_format,
+                           srv.enable_auto_tool_choice, srv.reasoning_content_alias,
+                           dict(srv.default_chat_template_kwargs or {}), srv.thinking_budget_message)  # fmt: skip
+
+    def _planned(self, plan: Any, params: SamplingParams, ids: list[int]) -> SamplingParams:
+        """A request's params with the plan's forced-call grammar, reasoning markers and budget."""
+        from specserve.server.chat_tools import apply_plan
+
+        plan = replace(plan, thinking_token_budget=params.thinking_token_budget)
+        return apply_plan(plan, replace(params), ids, self.tokenizer, field="structured_outputs")
 
     async def agenerate(
         self,
@@ -432,6 +489,18 @@ class LLM:
                 if bar is not None:
                     bar.close()
         return [convs[rid](final[rid]) for rid in ids]
+
+
+def _parse_answer(plan: Any, tokenizer: Any, prompt_ids: list[int], out: CompletionOutput) -> None:
+    """Fill a chat answer's ``content``, ``reasoning`` and ``tool_calls`` from its text."""
+    from specserve.formats.chat import call_dict
+
+    answer = plan.answer(plan.prompt_state(tokenizer, prompt_ids) if plan.reasoning_on else None)
+    answer.feed(out.text)
+    answer.finish()
+    out.content = answer.content if answer.content or not answer.calls else None
+    out.reasoning = answer.reasoning or None
+    out.tool_calls = [call_dict(c) for c in answer.calls] or None
 
 
 def _progress(use_tqdm: Any, total: int):
