@@ -191,7 +191,7 @@ class ServerConfig:
     # thinking_token_budget runs out ("" = the end marker alone).
     enable_auto_tool_choice: bool = True
     reasoning_content_alias: bool = True
-    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    default_chat_template_kwargs: Any = None  # an object of keywords (null = none)
     thinking_budget_message: str = ""
 
 
@@ -572,10 +572,14 @@ def _validate_chat_options(cfg: Config) -> None:
     for key in ("enable_auto_tool_choice", "reasoning_content_alias"):
         if not isinstance(getattr(srv, key), bool):
             raise ConfigError(f"server.{key}", f"must be true or false, got {getattr(srv, key)!r}")
-    try:
-        parse_template_kwargs(dict(srv.default_chat_template_kwargs or {}))
-    except InvalidRequestError as e:
-        raise ConfigError("server.default_chat_template_kwargs", str(e).split(": ", 1)[-1]) from None
+    kwargs = srv.default_chat_template_kwargs
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise ConfigError("server.default_chat_template_kwargs", f"must be an object of keywords, got {kwargs!r}")
+        try:
+            srv.default_chat_template_kwargs = parse_template_kwargs(kwargs)
+        except InvalidRequestError as e:
+            raise ConfigError("server.default_chat_template_kwargs", str(e)) from None
     if not isinstance(srv.thinking_budget_message, str):
         raise ConfigError("server.thinking_budget_message", "must be a string")
 

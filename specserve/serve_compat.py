@@ -23,6 +23,7 @@ from specserve.compat import (
     IGNORED_ENGINE_ARGS,
     REMOVED_SPEC_KNOBS,
     UnsupportedArgumentError,
+    hydra_value,
     override,
     engine_overrides,
 )
@@ -50,12 +51,19 @@ _SERVER_FLAGS = {
     "ssl-certfile": "server.tls_cert_file",
     "ssl-keyfile": "server.tls_key_file",
     "pipeline-parallel-size": "parallelism.pipeline_parallel_size",
+    # tools and reasoning (docs/server.md "Tools and reasoning")
+    "tool-call-parser": "model.tool_call_format",
+    "reasoning-parser": "model.reasoning_format",
+    "chat-template": "model.chat_template",
+    "default-chat-template-kwargs": "server.default_chat_template_kwargs",
 }
 _SHORT = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-h": "help"}
-_SWITCHES = {"dry-run", "help", "enforce-eager"} | {k.replace("_", "-") for k in IGNORED_ENGINE_ARGS}
+_SWITCHES = {"dry-run", "help", "enforce-eager", "enable-auto-tool-choice"} | {
+    k.replace("_", "-") for k in IGNORED_ENGINE_ARGS}
 _INT_FLAGS = {"tensor-parallel-size", "max-model-len", "seed", "port", "grpc-port", "pipeline-parallel-size"}
 _TEXT_FLAGS = {"model", "served-model-name", "host", "api-key", "ssl-certfile", "ssl-keyfile", "speculative-config",
-               "dtype", "device", "cpu-kernel", "onednn-max-cpu-isa"}
+               "dtype", "device", "cpu-kernel", "onednn-max-cpu-isa", "tool-call-parser", "reasoning-parser",
+               "chat-template"}
 
 USAGE = f"""usage: {PROG} [MODEL] [options] [key=value ...]
 
@@ -77,6 +85,12 @@ The vLLM-compatible form of `specserve`: options become Hydra overrides
   --{' / --'.join(k.replace('_', '-') for k in ENGINE_KEYS)}
                                engine.* keys
   --enforce-eager              engine.cuda_graphs=off
+  --tool-call-parser NAME      model.tool_call_format (hermes, llama3_json, qwen3_coder, pythonic, or
+                               package.module:Class); unset: detected from the chat template
+  --reasoning-parser NAME      model.reasoning_format (deepseek_r1, qwen3, granite, or package.module:Class)
+  --enable-auto-tool-choice    server.enable_auto_tool_choice=true (already on wherever a format is known)
+  --chat-template FILE         model.chat_template (a file, or the template's text)
+  --default-chat-template-kwargs JSON  server.default_chat_template_kwargs, e.g. '{{"enable_thinking": false}}'
   --trust-remote-code, --disable-log-stats: accepted, no effect
   --dry-run                    print the translation and the composed config, then exit
   key=value                    any Hydra override, applied last
@@ -123,6 +137,8 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
                 raise _Help()
             if name == "dry-run":
                 dry_run = True
+            elif name == "enable-auto-tool-choice":
+                server.append("server.enable_auto_tool_choice=true")
             else:
                 engine[key] = True
             continue
@@ -146,6 +162,8 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
                 continue
         if name == "config-dir":
             config_dir = ["--config-dir", value]
+        elif name == "default-chat-template-kwargs":
+            server.append(_kwargs_override(value))
         elif name in _SERVER_FLAGS:
             server.append(override(_SERVER_FLAGS[name], _typed(name, value)))
         else:
@@ -171,6 +189,27 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
 
 class _Help(Exception):
     pass
+
+
+def _kwargs_override(text: str) -> str:
+    """``--default-chat-template-kwargs JSON`` -> the Hydra override of that object."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise UnsupportedArgumentError("default_chat_template_kwargs",
+                                       f"--default-chat-template-kwargs: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise UnsupportedArgumentError("default_chat_template_kwargs",
+                                       "--default-chat-template-kwargs must be a JSON object")
+
+    def hydra(v) -> str:
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{hydra_value(str(k))}:{hydra(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, list):
+            return "[" + ",".join(hydra(x) for x in v) + "]"
+        return hydra_value(v)
+
+    return f"server.default_chat_template_kwargs={hydra(value)}"
 
 
 def _removed(key: str) -> str:

@@ -377,3 +377,20 @@ def test_grpc_carries_tools_tool_calls_and_reasoning(qwen_ngram):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field + ":")
     finally:
         channel.close()
+
+
+def test_model_chat_template_replaces_the_tokenizers(tmp_path_factory):
+    """model.chat_template (vLLM's --chat-template): a plain model gets a tools + thinking
+    template, and the formats are detected from it."""
+    from tiny_byte_model import make_byte_model
+    from tiny_chat_models import QWEN_TEMPLATE
+
+    path = make_byte_model(tmp_path_factory.mktemp("byte-templated") / "m")
+    template = tmp_path_factory.mktemp("tmpl") / "qwen.jinja"
+    template.write_text(QWEN_TEMPLATE)
+    cfg = tiny_config(path)
+    cfg.model.chat_template = str(template)
+    llm = LLMEngine(cfg)
+    assert (llm.info.tool_call_format, llm.info.reasoning_format) == ("hermes", "qwen3")
+    ids = llm.tokenizer.apply_chat_template(USER, tools=TOOLS)
+    assert json.dumps(TIME) in llm.tokenizer.decode(ids, skip_special_tokens=False)
