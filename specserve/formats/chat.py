@@ -458,7 +458,7 @@ class ChatPlan:
         if self.parses_tools:
             allowed = {t.name: t for t in self._callable()}
             tools = self._format().parser(allowed, make_id)
-        return Answer(reasoning, tools, self.formats.alias)
+        return Answer(reasoning, tools, self.formats.alias, max_calls=None if self.parallel else 1)
 
     def finish_reason(self, reason: str | None, answer: "Answer") -> str | None:
         """OpenAI's: "tool_calls" when auto or required calls ended the answer, "stop" for a
@@ -474,10 +474,11 @@ class Answer:
     ``feed``/``finish`` return ``ToolEvent`` s: kinds ``reasoning`` and ``content`` (text),
     ``call`` and ``args`` (tool calls); ``message()`` is the whole answer."""
 
-    def __init__(self, reasoning: Any, tools: Any, alias: bool):
+    def __init__(self, reasoning: Any, tools: Any, alias: bool, max_calls: int | None = None):
         self._reasoning = reasoning
         self._tools = tools
         self.alias = alias
+        self.max_calls = max_calls  # parallel_tool_calls false: calls after the first are not read
         self.reasoning = ""
         self.content = ""
         self.calls: list[ToolCall] = []
@@ -518,6 +519,8 @@ class Answer:
         return self._record(events)
 
     def _record(self, events: list[ToolEvent]) -> list[ToolEvent]:
+        if self.max_calls is not None:
+            events = [e for e in events if e.kind not in ("call", "args") or e.index < self.max_calls]
         events = merge_events(events)
         for e in events:
             if e.kind == "reasoning":

@@ -273,3 +273,23 @@ def test_named_and_required_without_a_format_read_plain_json():
     message, finish = whole(required, '[{"name": "noop", "parameters": {}}, {"name": "search", "parameters": {"query": "q", "tags": []}}]')
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["noop", "search"]
     assert finish == "tool_calls"
+
+
+def test_allowed_tools_and_one_call_when_not_parallel():
+    text = render_hermes("", [("search", {"query": "a", "tags": []}), ("get_weather", {"city": "x", "days": 1,
+                                                                                      "hot": True, "extra": {}})])
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}}  # fmt: skip
+    plan = ChatPlan.from_fields(ChatFormats("hermes", None), tools=TOOLS, tool_choice=allowed)
+    message, _ = whole(plan, text)
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]  # search is not allowed: text
+    assert "search" in message["content"]
+    required = ChatPlan.from_fields(ChatFormats("hermes", None), tools=TOOLS, tool_choice={**allowed, "allowed_tools": {
+        **allowed["allowed_tools"], "mode": "required"}})  # fmt: skip
+    grammar = required.structured().grammar
+    assert '"get_weather"' in grammar and '"search"' not in grammar and "noop" not in grammar
+    single = ChatPlan.from_fields(ChatFormats("hermes", None), tools=TOOLS, parallel_tool_calls=False)
+    message, _ = whole(single, text)
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["search"]
+    for pieces in chunkings(text, [2, 3]).values():
+        same(streamed(single, pieces), message, "tool_calls")
