@@ -149,8 +149,8 @@ class _Logprobs:
         if e is None:  # the first prompt token has none
             return None
         out = {t: Logprob(lp, r, self._text(t)) for r, (t, lp) in enumerate(e.top, start=1)}
-        if e.token_id not in out:  # the sampled token, outside the top k
-            out[e.token_id] = Logprob(e.logprob, None, self._text(e.token_id))
+        if e.token_id not in out:  # the sampled (or prompt) token, outside the top k: its rank where known
+            out[e.token_id] = Logprob(e.logprob, e.rank, self._text(e.token_id))
         return out
 
 
