@@ -188,10 +188,21 @@ def speculative_overrides(spec: Any) -> list[str]:
             out.append(override("method.model", f"embedded:{name}"))
         else:
             out.append(override("method.model", m))
-    for key, value in spec.items():
-        if not isinstance(key, str):
-            raise ConfigError("speculative_config", f"keys must be strings, got {key!r}")
-        out.append(override(f"method.{key}", value))
+    out += _nested_overrides("method", spec)
+    return out
+
+
+def _nested_overrides(prefix: str, values: dict) -> list[str]:
+    """``{key: value}`` under ``prefix`` as Hydra overrides; an object value (vLLM's nested
+    ``"tree": {...}``) becomes its dotted keys, as the command line writes them."""
+    out = []
+    for key, value in values.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError("speculative_config", f"keys must be non-empty strings, got {key!r}")
+        if isinstance(value, dict) and value:
+            out += _nested_overrides(f"{prefix}.{key}", value)
+        else:
+            out.append(override(f"{prefix}.{key}", value))
     return out
 
 

@@ -148,7 +148,7 @@ def test_each_key_and_salt_is_its_own_partition_on_both_front_ends(make_served):
     assert last_salt(open_server) == unkeyed_s1
 
 
-@pytest.mark.parametrize("salt", ["", 5, ["s"], "x" * 1025, "\ud800"])
+@pytest.mark.parametrize("salt", ["", 5, ["s"], "x" * 1025, "\ud800", "\u0000", "a\nb"])
 def test_bad_cache_salt_is_refused_naming_the_field(make_served, salt):
     s = make_served()
     status, body = complete(s, None, cache_salt=salt)

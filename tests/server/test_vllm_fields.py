@@ -254,3 +254,14 @@ def test_the_offline_api_takes_the_same_fields(bos_model):
     assert len(plain.generate(PROMPT, SamplingParams(max_tokens=1), use_tqdm=False,
                               add_special_tokens=False)[0].prompt_token_ids) == n - 1  # fmt: skip
     assert json.dumps(whole)
+
+
+def test_prompt_token_ids_out_of_range_name_the_field_the_client_sent(servers):
+    """[-1] and [vocabulary size] were named differently (prompt / prompt_token_ids)."""
+    s = servers["plain"]
+    for bad in ([-1], [512], [3, 10**9]):
+        assert refused(s, "completions", prompt=bad) == "prompt"
+        assert refused(s, "completions", prompt=[[5, 6], bad]) == "prompt[1]"
+        with pytest.raises(grpc.RpcError) as err:
+            s.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[max(t, 0) for t in bad] + [512])))
+        assert err.value.details().startswith("prompt_token_ids")
