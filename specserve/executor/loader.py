@@ -135,16 +135,22 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return out
 
 
-def resolve_hf_dir(path: str, cache_dir: str | None) -> Path:
-    """Map a model path (embedded:<name>, x.gguf, or a directory) to an HF dir."""
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+def check_model_path(path: str) -> None:
+    """What ``resolve_hf_dir`` checks of a model path before any conversion or loading (the
+    file or directory exists; ModelLoadError naming it otherwise): ``serve --dry-run`` and
+    start-up ask this before anything slow."""
     if path.startswith("embedded:"):
-        return convert_gguf(embedded_gguf_path(path.split(":", 1)[1]), cache)
+        embedded_gguf_path(path.split(":", 1)[1])
+        return
     p = Path(path).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise ModelLoadError(f"model file not found: {p}")
-        return convert_gguf(p, cache)
+        return
+    _check_hf_dir(p, path)
+
+
+def _check_hf_dir(p: Path, path: str) -> None:
     if not p.is_dir():
         raise ModelLoadError(
             f"model path not found: {path!r} (give a local HF directory, a .gguf file or embedded:<name>; "
@@ -152,6 +158,17 @@ def resolve_hf_dir(path: str, cache_dir: str | None) -> Path:
         )
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"{p} has no config.json: not an HF-format model directory")
+
+
+def resolve_hf_dir(path: str, cache_dir: str | None) -> Path:
+    """Map a model path (embedded:<name>, x.gguf, or a directory) to an HF dir."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    check_model_path(path)
+    if path.startswith("embedded:"):
+        return convert_gguf(embedded_gguf_path(path.split(":", 1)[1]), cache)
+    p = Path(path).expanduser()
+    if p.suffix == ".gguf":
+        return convert_gguf(p, cache)
     return p
 
 

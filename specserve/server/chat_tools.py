@@ -62,9 +62,11 @@ def chat_plan(fe: Any, body: dict, flat: bool = False) -> ChatPlan:
     )  # fmt: skip
 
 
-async def render_chat(fe: Any, messages: list[dict[str, Any]], plan: ChatPlan, flat: bool = False) -> list[int]:
+async def render_chat(fe: Any, messages: list[dict[str, Any]], plan: ChatPlan, flat: bool = False,
+                      add_special_tokens: bool = False, truncate: int | None = None) -> list[int]:  # fmt: skip
     """The prompt's token ids: the messages rendered with the plan's tools and template
-    keywords, after their checks (all in the front end's worker threads)."""
+    keywords, after their checks (all in the front end's worker threads); vLLM's
+    ``add_special_tokens`` and ``truncate_prompt_tokens`` as ``Frontend.tokenize_messages_async``."""
     tok = fe.engine.tokenizer
 
     def checks() -> None:
@@ -74,7 +76,8 @@ async def render_chat(fe: Any, messages: list[dict[str, Any]], plan: ChatPlan, f
 
     if plan.tools or any(len(m) > 2 for m in messages) or plan.template_kwargs:
         await fe.run_off_loop(checks)
-    return await fe.tokenize_messages_async(messages, plan.template_tools, plan.template_kwargs)
+    return await fe.tokenize_messages_async(messages, add_special_tokens, truncate, tools=plan.template_tools,
+                                            template_kwargs=plan.template_kwargs)  # fmt: skip
 
 
 def apply_plan(plan: ChatPlan, params: SamplingParams, prompt_ids: list[int], tokenizer: Any,

@@ -47,6 +47,7 @@ from specserve.server.responses import create_response
 from specserve.server.errors import INTERNAL, classify, openai_error_body
 from specserve.server.frontend import Frontend, SamplingFields, printable
 from specserve.server.openai_features import Features, completion_prompts, parse_features, serve_choices
+from specserve.server.vllm_fields import VllmFields, parse_vllm_fields
 
 log = logging.getLogger("specserve.server.http")
 
@@ -149,12 +150,15 @@ def _sampling_fields(body: dict[str, Any]) -> tuple[SamplingFields, str]:
 
 
 def _params(fe: Frontend, body: dict[str, Any], features: Features | None = None, tenant: str | None = None,
-            prompts: Sequence[list[int]] = (), completions: bool = False):  # fmt: skip
+            prompts: Sequence[list[int]] = (), completions: bool = False, vllm: VllmFields | None = None):  # fmt: skip
     fields, max_key = _sampling_fields(body)
     if features is not None:
         fields = dataclasses.replace(fields, **features.fields)
+    if vllm is not None:
+        fields = dataclasses.replace(fields, **vllm.fields)
     try:  # a default max_tokens fits the longest prompt
-        return fe.make_params(fields, tenant, max(map(len, prompts), default=1), completions)
+        return fe.make_params(fields, tenant, max(map(len, prompts), default=1), completions,
+                              "prompt" if completions else "messages")  # fmt: skip
     except InvalidRequestError as exc:
         if exc.field == "max_tokens" and max_key != "max_tokens":  # name the field the client sent
             raise InvalidRequestError(max_key, str(exc).split(": ", 1)[1]) from None
@@ -191,6 +195,11 @@ async def _prediction(fe: Frontend, body: dict[str, Any]) -> list[int] | None:
 # --------------------------------------------------------------------------- handlers
 
 
+def _vllm_fields(request: web.Request, body: dict[str, Any], chat: bool, stream: bool) -> VllmFields:
+    header = request.headers.get("X-Request-Id")
+    return parse_vllm_fields(body, chat, stream, header)
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND_KEY]
     body = await _read_json(request)
@@ -199,10 +208,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise InvalidRequestError("tools", "is a chat field: send tools to /v1/chat/completions")
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=False)
-    prompts, texts = await completion_prompts(fe, body)
-    params = _params(fe, body, features, request.get(TENANT_KEY), prompts, completions=True)
+    vllm = _vllm_fields(request, body, False, stream)
+    tenant = request.get(TENANT_KEY)
+    prompts, texts = await completion_prompts(fe, body, vllm.add_special_tokens, vllm.truncate_prompt_tokens)
+    params = _params(fe, body, features, tenant, prompts, completions=True, vllm=vllm)
     params.prediction_token_ids = await _prediction(fe, body)
-    return await serve_choices(request, fe, False, prompts, texts, params, features, stream, include_usage)
+    await fe.tokenize_bad_words_async(params)
+    return await serve_choices(request, fe, False, prompts, texts, params, features, stream, include_usage,
+                               tenant, vllm.request_id, vllm.prompt_logprobs)  # fmt: skip
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -211,13 +224,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe.check_model(body.get("model"))
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=True)
-    plan = chat_plan(fe, body)  # tools, tool_choice, reasoning, chat_template_kwargs
-    ids = await render_chat(fe, _chat_messages(body), plan)
-    params = apply_plan(plan, _params(fe, body, features, request.get(TENANT_KEY), [ids]), ids, fe.engine.tokenizer)
+    vllm = _vllm_fields(request, body, True, stream)
+    tenant = request.get(TENANT_KEY)
+    plan = chat_plan(fe, body)  # tools, tool_choice, reasoning, chat_template_kwargs (chat_tools)
+    ids = await render_chat(fe, _chat_messages(body), plan, add_special_tokens=vllm.add_special_tokens,
+                            truncate=vllm.truncate_prompt_tokens)  # fmt: skip
+    params = apply_plan(plan, _params(fe, body, features, tenant, [ids], vllm=vllm), ids, fe.engine.tokenizer)
     params.prediction_token_ids = await _prediction(fe, body)
+    await fe.tokenize_bad_words_async(params)
     answers = ChatAnswers(plan, fe.engine.tokenizer, ids)
     return await serve_choices(request, fe, True, [ids], [None], params, features, stream, include_usage,
-                               answers if answers.active else None)
+                               tenant, vllm.request_id, vllm.prompt_logprobs,
+                               answers if answers.active else None)  # fmt: skip
 
 
 async def responses(request: web.Request) -> web.StreamResponse:

@@ -297,7 +297,7 @@ async def create_response(request: web.Request, fe: Any, body: dict, tenant: str
         raise
     tok = fe.engine.tokenizer
     params = apply_plan(plan, params, ids, tok, field="text.format")
-    req = fe.prepare(None, ids, params)
+    req = fe.prepare(None, ids, params, tenant)
     state_of = plan.prompt_state(tok, ids) if plan.reasoning_on else None
     answer = plan.answer(state_of)
     response: web.StreamResponse | None = None
