@@ -184,7 +184,9 @@ def test_reasoning_split_and_budget_exact(qwen, qwen_ngram):
         assert tokens.index(THINK_END) == 7
         assert r.choices[0].message.model_extra["reasoning"] == r.choices[0].message.model_extra["reasoning_content"]
         out[s] = summary(r.choices[0])
-        assert stream(s, max_tokens=30, thinking_token_budget=7) .choices[0].message.content == r.choices[0].message.content
+        streamed = stream(s, max_tokens=30, thinking_token_budget=7, logprobs=True).choices[0]
+        assert summary(streamed) == out[s]
+        assert [t.token for t in streamed.logprobs.content] == tokens  # every token's logprob, once
     assert out[qwen] == out[qwen_ngram]
     reasoning = out[qwen][1]
     assert reasoning  # the budget's tokens, split off the content
