@@ -30,7 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.errors import InvalidRequestError
-from specserve.formats.tools.base import FunctionTool, ToolCall, ToolEvent, merge_events, new_call_id, resolve_tags
+from specserve.formats.tools.base import (
+    FunctionTool,
+    ToolCall,
+    ToolEvent,
+    merge_events,
+    new_call_id,
+    resolve_tags,
+    tag_token,
+)
 from specserve.request import ReasoningParams, StructuredOutputsParams
 
 __all__ = [
@@ -421,11 +429,20 @@ class ChatPlan:
         return OpenAIJsonFormat(named=self.choice.mode == "named")
 
     def structured(self, tokenizer: Any = None) -> StructuredOutputsParams | None:
-        """The grammar that enforces "required" or a named function (None otherwise); the
-        format's tags as the tokenizer's own tokens for them where it has some."""
+        """The grammar that enforces "required" or a named function, or "auto" with strict
+        tools where the format can (``ToolCallFormat.auto_grammar``: its call tag is one
+        token of the tokenizer's); None otherwise.  The format's tags are the tokenizer's own
+        tokens for them where it has some."""
+        tools = self._callable()
+        if self.choice.mode == "auto":
+            fmt = self.formats.tool
+            if not any(t.strict for t in tools) or fmt is None or fmt.open_tag is None \
+                    or tag_token(tokenizer, fmt.open_tag) is None:
+                return None
+            grammar = fmt.auto_grammar(tools, self.parallel)
+            return None if grammar is None else StructuredOutputsParams(grammar=resolve_tags(grammar, tokenizer))
         if self.choice.mode not in ("required", "named"):
             return None
-        tools = self._callable()
         parallel = self.parallel and self.choice.mode == "required"
         return StructuredOutputsParams(grammar=resolve_tags(self._format().grammar(tools, parallel), tokenizer))
 

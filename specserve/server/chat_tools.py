@@ -85,10 +85,11 @@ def apply_plan(plan: ChatPlan, params: SamplingParams, prompt_ids: list[int], to
     """``params`` with the plan's grammar (a forced call), reasoning markers and budget."""
     forced = plan.structured(tokenizer)
     if forced is not None:
-        if params.structured_outputs is not None:
+        if params.structured_outputs is None:
+            params.structured_outputs = forced
+        elif plan.choice.mode != "auto":  # (auto: the response format is the grammar)
             raise InvalidRequestError(field, f'cannot be combined with tool_choice {plan.choice.mode!r} (the call '
                                       "is the answer's format)")  # fmt: skip
-        params.structured_outputs = forced
     params.thinking_token_budget = plan.thinking_token_budget
     needs_gate = params.structured_outputs is not None or plan.thinking_token_budget is not None
     if plan.reasoning_on and needs_gate:

@@ -396,3 +396,19 @@ def test_model_chat_template_replaces_the_tokenizers(tmp_path_factory):
     assert (llm.info.tool_call_format, llm.info.reasoning_format) == ("hermes", "qwen3")
     ids = llm.tokenizer.apply_chat_template(USER, tools=TOOLS)
     assert json.dumps(TIME) in llm.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_auto_with_strict_tools_is_enforced_after_the_call_tag(qwen):
+    """"auto" with a strict tool: free text, or calls whose arguments follow the schema; the
+    tokenizer's <tool_call> token starts a call (a logit bias makes the random model write it)."""
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    kw = dict(tools=[strict], parallel_tool_calls=False, logit_bias={"263": 100}, max_tokens=100,
+              chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    r = chat(qwen, **kw)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "unit"}
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert summary(stream(qwen, **kw).choices[0]) == summary(r.choices[0])
+    # not strict: read as written (the random model's text after the tag is no call)
+    loose = chat(qwen, **{**kw, "tools": [WEATHER]})
+    assert not loose.choices[0].message.tool_calls and "<tool_call>" in loose.choices[0].message.content

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "ContentBuffer", "FunctionTool", "ParsedOutput", "ToolCall", "ToolCallFormat", "ToolEvent", "ToolParser",
-    "assemble", "lark_tag", "merge_events", "new_call_id", "partial_tag", "resolve_tags", "strict_schema",
+    "assemble", "lark_tag", "merge_events", "new_call_id", "partial_tag", "resolve_tags", "strict_schema", "tag_token",
 ]  # fmt: skip
 
 
@@ -258,6 +258,17 @@ class ToolCallFormat:
     def grammar(self, tools: list[FunctionTool], parallel: bool) -> str:
         raise NotImplementedError
 
+    # The tag that opens a call, for ``auto_grammar``: the grammar applies only where the
+    # tokenizer holds it as one token (free text can then never spell it).
+    open_tag: ClassVar[str | None] = None
+
+    def auto_grammar(self, tools: list[FunctionTool], parallel: bool) -> str | None:
+        """A grammar for tool_choice "auto" with strict tools: free text, or text then calls
+        whose arguments follow the strict tools' schemas (others: any JSON object).  None:
+        the format cannot tell text from a call's start in a grammar (then "auto" is parsed
+        as written)."""
+        return None
+
     @classmethod
     def detect(cls, chat_template: str) -> bool:
         return False
@@ -282,16 +293,23 @@ def lark_tag(text: str) -> str:
     return "\x00" + json.dumps(text, ensure_ascii=False) + "\x00"
 
 
+def tag_token(tokenizer: Any, text: str) -> int | None:
+    """The tokenizer's one token for a tag (Qwen's ``<tool_call>``), or None."""
+    if tokenizer is None or len(text) < 2:
+        return None
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=False) == text:
+        return ids[0]
+    return None
+
+
 def resolve_tags(grammar: str, tokenizer: Any = None) -> str:
     """``grammar`` with its tags (``lark_tag``) as token references (``<[id]>``) where the
     tokenizer encodes a tag as one token of its own, else as text literals."""
 
     def one(m: re.Match) -> str:
         text = json.loads(m.group(1))
-        if tokenizer is not None:
-            ids = list(tokenizer.encode(text, add_special_tokens=False))
-            if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=False) == text and len(text) > 1:
-                return f"<[{ids[0]}]>"
-        return lark_string(text)
+        token = tag_token(tokenizer, text)
+        return f"<[{token}]>" if token is not None else lark_string(text)
 
     return _TAG.sub(one, grammar)

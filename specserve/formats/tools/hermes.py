@@ -183,16 +183,31 @@ class HermesParser(ToolParser):
 
 class HermesFormat(ToolCallFormat):
     name: ClassVar[str] = "hermes"
+    open_tag: ClassVar[str | None] = OPEN
 
     def parser(self, tools, make_id=new_call_id) -> ToolParser:
         return HermesParser(tools, make_id)
 
-    def grammar(self, tools: list[FunctionTool], parallel: bool) -> str:
-        rules = [f"fn{i}: {lark_json(call_object_schema(t))}" for i, t in enumerate(tools)]
+    def _calls(self, tools: list[FunctionTool], strict_only: bool) -> list[str]:
+        """The call rule and one rule per tool (its schema; with ``strict_only``, any object
+        for the tools that are not strict)."""
+        def schema(t: FunctionTool) -> dict:
+            if strict_only and not t.strict:
+                t = FunctionTool(t.name, parameters={"type": "object"})
+            return call_object_schema(t)
+
+        rules = [f"fn{i}: {lark_json(schema(t))}" for i, t in enumerate(tools)]
         body = " | ".join(f"fn{i}" for i in range(len(tools)))
         call = f"call: {lark_tag(OPEN)} {lark_string(chr(10))} ({body}) {lark_string(chr(10))} {lark_tag(CLOSE)}"
+        return [call, *rules]
+
+    def grammar(self, tools: list[FunctionTool], parallel: bool) -> str:
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        return "\n".join([start, call, *rules])
+        return "\n".join([start, *self._calls(tools, False)])
+
+    def auto_grammar(self, tools: list[FunctionTool], parallel: bool) -> str | None:
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        return "\n".join([f"start: TEXT? ({calls})?", "TEXT: /(?s:.+)/", *self._calls(tools, True)])
 
     @classmethod
     def detect(cls, chat_template: str) -> bool:
