@@ -204,8 +204,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND_KEY]
     body = await _read_json(request)
     fe.check_model(body.get("model"))
-    if body.get("tools") not in (None, []):
-        raise InvalidRequestError("tools", "is a chat field: send tools to /v1/chat/completions")
+    for name in ("tools", "thinking_token_budget"):  # they need a chat answer's reasoning and tool-call parsing
+        if body.get(name) not in (None, []):
+            raise InvalidRequestError(name, "is a chat field: send it to /v1/chat/completions (or /v1/responses)")
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=False)
     vllm = _vllm_fields(request, body, False, stream)
