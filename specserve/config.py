@@ -213,6 +213,18 @@ class GenerateConfig:
 
 
 @dataclass
+class AudioConfig:
+    """Speech models (``audio.*``): how long a recording may be and how it is split."""
+
+    max_clip_s: float = 30.0  # longer recordings are split at low-energy points (specserve.audio.split)
+    max_duration_s: float = 1200.0  # longer uploads are refused (400 naming `file`)
+    max_upload_bytes: int = 64 * 1024 * 1024  # the HTTP door's multipart limit for `file`
+    # Encoder frames (50 per second of audio) the engine encodes per step at most (at
+    # least one recording a step): bounds what a burst of recordings adds to a step.
+    encoder_frames_per_step: int = 3000
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     draft: Optional[ModelConfig] = None
@@ -222,6 +234,17 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    audio: AudioConfig = field(default_factory=AudioConfig)
+
+
+def validate_audio(a: AudioConfig) -> None:
+    for key, value in (("audio.max_clip_s", a.max_clip_s), ("audio.max_duration_s", a.max_duration_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(key, f"must be a number > 0, got {value!r}")
+    if a.max_clip_s < 2:
+        raise ConfigError("audio.max_clip_s", f"must be >= 2 (seconds; a cut is searched in the last second), got {a.max_clip_s}")
+    _int("audio.max_upload_bytes", a.max_upload_bytes, 1)
+    _int("audio.encoder_frames_per_step", a.encoder_frames_per_step, 1)
 
 
 def register_configs(cs: Any) -> None:
@@ -420,6 +443,7 @@ def validate_config(cfg: Config) -> Config:
     given_path = cfg.model.path  # as the user gave it, before a speculators directory is resolved
     compose_speculation(cfg)  # a speculators directory as the model; the shipped EAGLE-3 head by default
     validate_model("model", cfg.model)
+    validate_audio(cfg.audio)
     if cfg.draft is not None:
         validate_model("draft", cfg.draft)
     par = cfg.parallelism

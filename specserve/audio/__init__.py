@@ -15,3 +15,26 @@ The model family that consumes the features lives in the data plane
 """
 
 SAMPLE_RATE = 16000
+
+import hashlib  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from functools import cached_property  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+@dataclass(eq=False)
+class AudioClip:
+    """One recording (or one segment of a long one) as a request carries it
+    (``SamplingParams.audio``): float32 mono samples at 16 kHz.  ``digest`` keys the
+    prefix cache: requests share cached audio rows only for the same samples."""
+
+    samples: np.ndarray = field(repr=False)
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.samples) / SAMPLE_RATE
+
+    @cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(np.ascontiguousarray(self.samples, dtype=np.float32).tobytes()).hexdigest()[:32]

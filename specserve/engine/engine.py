@@ -53,7 +53,7 @@ from specserve.executor.backends.factory import RunnerFactory
 from specserve.kernels.backends import choose_rejection
 from specserve.parallel.plan import draft_tensor_parallel_size
 from specserve.proposers import DraftRequest, Proposer, build_proposer
-from specserve.methods import Q_VERIFICATION_METHODS, get_method
+from specserve.methods import Q_VERIFICATION_METHODS, as_method_options, get_method
 from specserve.proposers.base import ProposerContext, TargetShape, memory_needs
 from specserve.proposers.prediction import PredictedOutputs
 from specserve.request import GREEDY_EPS, FinishReason, RequestOutput, SamplingParams
@@ -187,8 +187,16 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
                                    self.max_model_len, e.long_prefill_token_threshold,
                                    pending_drafts=lambda seq: self.requests.num_pending_drafts(seq))
+        # Speech models: recordings wait for their encoder pass here (engine.speech), the
+        # encoder's per-step budget bounding what they add to a step.
+        self.speech = None
+        if target.speech is not None:
+            from specserve.engine.speech import SpeechRequests
+
+            self.speech = SpeechRequests(target, cfg.audio.encoder_frames_per_step, self.proposer,
+                                         self.num_spec_tokens)
         # Every request's state, and its one teardown (which frees the method's state too).
-        self.requests = RequestTable(self.scheduler, [self.proposer, self.predictions])
+        self.requests = RequestTable(self.scheduler, [self.proposer, self.predictions, self.speech])
         self.seed_generator = torch.Generator().manual_seed(e.seed)  # seeds of unseeded requests (host)
         verify = spec.rejection_sample_method if spec is not None else "strict"
         rejection = choose_rejection(e.rejection_backend, target.device, verify, target.arch.vocab_size)
@@ -208,7 +216,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             dtype=str(target.dtype).removeprefix("torch."),
             device=str(target.device),
-            lossless=spec is None or spec.rejection_sample_method != "synthetic",
+            lossless=spec is None or as_method_options(spec).lossless,
             tensor_parallel_size=self.runner.tensor_parallel_size,
             draft_tensor_parallel_size=draft_tensor_parallel_size(spec, self.runner.tensor_parallel_size)
             if plan.tensor_parallel else 1,
@@ -238,6 +246,11 @@ class LLMEngine:
                 "max_tokens",
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({self.max_model_len})",
             )
+        if params.audio is not None:
+            if self.speech is None:
+                raise InvalidRequestError("audio", f"model {self.info.model_name!r} is not a speech model: it takes no "
+                                                   "recordings")
+            self.speech.validate(prompt_token_ids, params)
         pred = params.prediction_token_ids
         if pred is not None and len(pred) > self.max_model_len:
             raise InvalidRequestError(
@@ -253,6 +266,8 @@ class LLMEngine:
         """Admit a request.  Bad input raises InvalidRequestError; any other failure while
         admitting raises RequestFailedError.  Either way nothing of the request remains."""
         self.validate_request(request_id, prompt_token_ids, params)
+        if params.audio is not None:
+            params = self.speech.partitioned(params)
         st: RequestState | None = None
         try:
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
@@ -262,7 +277,10 @@ class LLMEngine:
             prompt_lps = [None] if params.prompt_logprobs is not None else None
             st = RequestState(seq, proc, grammar=grammar, prompt_lps=prompt_lps)
             self.requests.add(st)
-            self.scheduler.add(seq)
+            if params.audio is not None:  # its prompt waits for the recording's encoder pass
+                self.speech.admit(st)
+            else:
+                self.scheduler.add(seq)
         except Exception as e:
             if st is not None and self.requests.get(request_id) is st:
                 self.requests.release(st, finished=True)
@@ -316,11 +334,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        early = self._encode_audio() if self.speech is not None and len(self.speech) else []
         sched = self.scheduler.schedule()
         for seq in sched.preempted:  # recomputed later from its tokens: its derived state goes
             self.requests.release(self.requests[seq.request_id], finished=False)
         if sched.empty:
-            return []
+            return early
         for s in sched.scheduled:  # drafts proposed after the previous verification; the scheduler sized them
             st = self.requests[s.seq.request_id]
             s.drafts = st.drafts.first(s.draft_room)
@@ -334,6 +353,8 @@ class LLMEngine:
         self._verify(sched.scheduled, fwd)
         self._compact_trees(sched.scheduled)
         outputs = self._commit(sched.scheduled)
+        if early:
+            outputs = early + outputs
         t1 = time.perf_counter()
         proposed = self._propose_next(sched.scheduled, batch, fwd)
         # a step that proposed for no request says nothing about what proposing costs
@@ -348,6 +369,9 @@ class LLMEngine:
             new = seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d
             offsets = list(range(s.num_new_tokens - 1, len(new))) if s.sample else []
             inputs.append(SeqInput(new, seq.num_computed, seq.block_table, offsets, num_drafts=len(d)))
+            if self.speech is not None and seq.num_computed < seq.num_prompt_tokens:  # audio rows of a prompt chunk
+                inputs[-1].input_embeds = self.speech.input_embeds(self.requests[seq.request_id], seq.num_computed,
+                                                                   s.num_new_tokens)
             if s.drafts.parents is not None:
                 self._as_tree(inputs[-1], s.drafts.parents, self.target.arch.sliding_window)
         pad_to = None
@@ -513,6 +537,10 @@ class LLMEngine:
             return
         try:
             self._verify_batch(todo, fwd)
+            if self.speech is not None:  # +method=ctc: the first verification of a hypothesis
+                eos = self.tokenizer.eos_token_ids[0] if self.tokenizer.eos_token_ids else None
+                for s, row, _ in todo:
+                    self.speech.review_first_pass(s, fwd.logits, row, eos)
         except Exception:
             log.exception("verification of a batch failed; verifying its requests one by one")
             for one in todo:
@@ -685,6 +713,33 @@ class LLMEngine:
         ))
         return outputs
 
+    def _encode_audio(self) -> list[RequestOutput]:
+        """The encoder's work of this step (``engine.speech``): encoded requests join the
+        scheduler with their hypothesis as first drafts, or are settled by it (relaxed
+        mode's entropy gate); returns the outputs of those that end here."""
+        outputs: list[RequestOutput] = []
+        for st, hyp, failure in self.speech.encoded():
+            if failure is not None:
+                outputs.append(self._fail_request(st, "encoding its recording", failure))
+                continue
+            seq = st.seq
+            if hyp is not None and hyp.settled:  # the CTC text is the answer: no LLM forward
+                try:
+                    seq.spec_stats.ctc_stage = "entropy"
+                    eos = list(self.tokenizer.eos_token_ids[:1])
+                    new_ids, reason = self._append_tokens(seq, hyp.token_ids + eos)
+                    self._finish(st, reason or FinishReason.STOP)
+                    out = self._output(st, new_ids)
+                    if st.proc is not None:
+                        out = st.proc.process(out)[0]
+                    outputs.append(out)
+                except Exception as e:
+                    outputs.append(self._fail_request(st, "settling its CTC transcript", e))
+                continue
+            st.drafts = Drafts(self.speech.first_drafts(seq))
+            self.scheduler.add(seq)
+        return outputs
+
     def _append_tokens(self, seq: Sequence, toks: list[int]) -> tuple[list[int], FinishReason | None]:
         p = seq.params
         stops = set(p.stop_token_ids)
@@ -712,7 +767,7 @@ class LLMEngine:
             request_id=seq.request_id, finish_reason=reason.value, num_prompt_tokens=seq.num_prompt_tokens,
             num_generation_tokens=seq.num_output_tokens, e2e_latency_s=time.monotonic() - seq.arrival_time,
             num_drafts=seq.spec_stats.num_drafts, num_draft_tokens=seq.spec_stats.num_draft_tokens,
-            num_accepted_tokens=seq.spec_stats.num_accepted_tokens,
+            num_accepted_tokens=seq.spec_stats.num_accepted_tokens, ctc_stage=seq.spec_stats.ctc_stage,
         )
         for listener in self.listeners:
             listener.on_request_finished(fin)

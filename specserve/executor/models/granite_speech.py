@@ -409,3 +409,40 @@ def ctc_max_entropy(logp: Tensor) -> float:
         return 0.0
     ent = -(logp.exp() * logp).sum(dim=-1)
     return float(ent.max())
+
+
+@dataclass
+class SpeechSpec:
+    """What the engine and the doors need of a speech model: its parts' configs, the
+    audio placeholder's token id, and the loaded ``SpeechModel`` (set by the loader)."""
+
+    encoder: EncoderConfig
+    projector: ProjectorConfig
+    audio_token_index: int
+    ctc_labels: str = "unicode"  # what CTC labels mean: Unicode code points (blank 0)
+    # "normalized": the model writes transcripts as ``audio.text.normalize_transcript`` does
+    # (the embedded model); "raw": as the checkpoint's training data had them.
+    transcript: str = "raw"
+    model: Any = None
+
+    @property
+    def window_size(self) -> int:
+        return self.projector.window_size
+
+    @property
+    def downsample_rate(self) -> int:
+        return self.projector.downsample_rate
+
+    @classmethod
+    def from_hf(cls, c: Any, extra: dict | None = None) -> "SpeechSpec":
+        extra = extra or {}
+        text_hidden = _get(c.text_config, "hidden_size")
+        window, down = _get(c, "window_size", 15), _get(c, "downsample_rate", 5)
+        if window % down:
+            raise ValueError(f"downsample_rate ({down}) must divide window_size ({window})")
+        return cls(
+            encoder=EncoderConfig.from_hf(c.encoder_config),
+            projector=ProjectorConfig.from_hf(c.projector_config, window, down, text_hidden),
+            audio_token_index=int(_get(c, "audio_token_index", _get(c, "audio_token_id", 0))),
+            ctc_labels=str(extra.get("ctc_labels", "unicode")), transcript=str(extra.get("transcript", "raw")),
+        )
