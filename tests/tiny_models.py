@@ -75,7 +75,8 @@ def make_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) 
 SPEECH_AUDIO_TOKEN = TINY_VOCAB - 12  # "w495": the tiny speech models' audio placeholder
 
 
-def make_tiny_speech_model(out: Path, text: str = "llama", seed: int = 0, output_dim: int = 128) -> Path:
+def make_tiny_speech_model(out: Path, text: str = "llama", seed: int = 0, output_dim: int = 128,
+                           tie: bool = False) -> Path:
     """Save a tiny random Granite Speech model (transformers' GraniteSpeechForConditionalGeneration)
     with a ``text`` (llama or granite, Granite's multipliers away from 1) text model to ``out``;
     the encoder's batch-norm statistics are drawn too, so eval mode is not the identity."""
@@ -83,7 +84,7 @@ def make_tiny_speech_model(out: Path, text: str = "llama", seed: int = 0, output
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
     if text == "granite":
         text_cfg = tf.GraniteConfig(embedding_multiplier=2.5, attention_multiplier=0.2, residual_multiplier=0.6,
                                     logits_scaling=3.0, **common)
@@ -97,7 +98,7 @@ def make_tiny_speech_model(out: Path, text: str = "llama", seed: int = 0, output
                               intermediate_size=64, encoder_hidden_size=48, cross_attention_frequency=1,
                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
         audio_token_index=SPEECH_AUDIO_TOKEN, window_size=15, downsample_rate=5, has_lora_adapter=False,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
     )
     torch.manual_seed(seed)
     model = tf.GraniteSpeechForConditionalGeneration(cfg).eval()

@@ -94,6 +94,8 @@ class SpeechRequests:
                     out.append((st, None, e))
                     continue
                 seq.hypothesis = hyp.token_ids or None
+                if seq.hypothesis is None:  # nothing to draft: plain decoding settles it
+                    seq.spec_stats.ctc_stage = "decoded"
             out.append((st, hyp, None))
         return out
 
