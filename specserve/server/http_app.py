@@ -38,6 +38,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specserve.errors import InvalidRequestError
+from specserve.server.audio import add_audio_routes
 from specserve.server.auth import METRICS_PATH, OPEN_HTTP_PATHS, ApiKeyChecker
 from specserve.server.errors import INTERNAL, classify, openai_error_body
 from specserve.server.frontend import Frontend, SamplingFields, printable
@@ -392,4 +393,5 @@ def build_http_app(frontend: Frontend, checker: ApiKeyChecker) -> web.Applicatio
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
+    add_audio_routes(app, FRONTEND_KEY, TENANT_KEY)  # /v1/audio/transcriptions, /v1/audio/translations
     return app

@@ -423,6 +423,7 @@ class SpeechSpec:
     # "normalized": the model writes transcripts as ``audio.text.normalize_transcript`` does
     # (the embedded model); "raw": as the checkpoint's training data had them.
     transcript: str = "raw"
+    languages: tuple[str, ...] | None = None  # ISO-639-1 codes it transcribes (None: not declared)
     model: Any = None
 
     @property
@@ -445,4 +446,5 @@ class SpeechSpec:
             projector=ProjectorConfig.from_hf(c.projector_config, window, down, text_hidden),
             audio_token_index=int(_get(c, "audio_token_index", _get(c, "audio_token_id", 0))),
             ctc_labels=str(extra.get("ctc_labels", "unicode")), transcript=str(extra.get("transcript", "raw")),
+            languages=tuple(extra["languages"]) if extra.get("languages") else None,
         )
