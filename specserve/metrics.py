@@ -45,6 +45,13 @@ Derived figures (PromQL; use the same range everywhere)::
     # p99 time to first token
     histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
 
+Speech (``+method=ctc``)::
+
+    specserve_ctc_requests_total{stage, lossless}   transcriptions (segments) by the stage that settled
+                                                   them: entropy (the CTC text, no LLM forward), verified
+                                                   (the one-pass verification), decoded; lossless="false"
+                                                   under method.ctc_acceptance=relaxed
+
 Kernels (``engine.attention_backend``, ``engine.rejection_backend``)::
 
     specserve_backend_info{attention, rejection}   1; "triton", or "torch" where the Triton kernel
@@ -321,6 +328,13 @@ class SpecServeMetrics:
         success = labelled("specserve_request_success", "Finished requests by reason.", "finished_reason")
         self.request_success = {r: success.labels(finished_reason=r) for r in FINISHED_REASONS}
         self._success_family = success
+        # +method=ctc: the stage that settled each transcription (entropy gate, one-pass
+        # verification, decoding); lossless="false" under relaxed acceptance.
+        self._ctc_family = Counter(
+            "specserve_ctc_requests", "Transcriptions by the +method=ctc stage that settled them.",
+            labels + ("stage", "lossless"), registry=registry,
+        )
+        self._ctc_lossless = "true" if identity.lossless else "false"
         self._errors_family = Counter(
             "specserve_request_errors", "Requests answered with an error status, by reason.", labels + ("reason",),
             registry=registry,
@@ -391,6 +405,9 @@ class SpecServeMetrics:
         self.e2e.observe(stats.e2e_latency_s)
         self.request_prompt_tokens.observe(stats.num_prompt_tokens)
         self.request_generation_tokens.observe(stats.num_generation_tokens)
+        stage = getattr(stats, "ctc_stage", None)
+        if stage is not None:
+            self._ctc_family.labels(**self._values, stage=stage, lossless=self._ctc_lossless).inc()
 
     # ------------------------------------------------------------------ server side
 
