@@ -11,6 +11,7 @@ duration past the server's limit.  Nothing here imports torch.
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,4 +105,5 @@ def encode_wav(samples: np.ndarray, rate: int = SAMPLE_RATE, fmt: str = "WAV", s
 
 def _reason(e: Exception) -> str:
     text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    text = re.sub(r"^Error opening <[^>]*>: ", "", text)  # libsndfile names the buffer object
     return text[:160]
