@@ -392,6 +392,15 @@ class LLM:
     ) -> list[GenerationOutput]:
         return await asyncio.to_thread(self.chat, messages, sampling_params, use_tqdm=use_tqdm)
 
+    def transcribe(self, audio: Any, *, language: str | None = None, prompt: str | None = None,
+                   temperature: float = 0.0, seed: int | None = None) -> list[Any]:
+        """Transcribe recordings with a speech model (``specserve.audio.offline``): ``audio`` is a
+        path, the bytes of an audio file or ``(samples, sample_rate)``, or a list of them;
+        returns one ``Transcription`` (text, segments, duration_s, ctc_stages) per recording."""
+        from specserve.audio.offline import transcribe
+
+        return transcribe(self, audio, language=language, prompt=prompt, temperature=temperature, seed=seed)
+
     def _run(
         self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: Any
     ) -> list[GenerationOutput]:
