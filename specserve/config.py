@@ -197,6 +197,9 @@ class BenchConfig:
     # `concurrency` prompts each, alternating which goes first, so a machine whose speed
     # drifts (a shared host) slows both alike; each run's tokens/s sums its own rounds.
     interleave: bool = False
+    # dataset=audio (speech models, specserve.bench_audio): a directory of recordings and
+    # their transcripts; null = the repository's held-out fixtures (tests/fixtures/speech).
+    audio_dir: Optional[str] = None
 
 
 @dataclass
@@ -537,7 +540,7 @@ def validate_config(cfg: Config) -> Config:
     if bool(srv.tls_cert_file) != bool(srv.tls_key_file):
         raise ConfigError("server.tls_cert_file", "TLS needs both server.tls_cert_file and server.tls_key_file")
     b = cfg.bench
-    _choice("bench.dataset", b.dataset, ("sharegpt",))
+    _choice("bench.dataset", b.dataset, ("sharegpt", "audio"))
     _choice("bench.profile_steps", b.profile_steps, ("auto", "on", "off"))
     if b.prompts_file is not None:
         from pathlib import Path as _Path

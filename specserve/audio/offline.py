@@ -66,35 +66,41 @@ def transcribe(llm: Any, audio: Any, *, language: str | None = None, prompt: str
     items = audio if isinstance(audio, list) else [audio]
     opts = TranscriptionOptions(language=language, prompt=prompt, temperature=temperature, seed=seed).check(
         speech.languages)
-    cfg = eng.cfg.audio
-    recordings = [load_recording(x, cfg.max_duration_s, "audio" if len(items) == 1 else f"audio[{i}]")
+    recordings = [load_recording(x, eng.cfg.audio.max_duration_s, "audio" if len(items) == 1 else f"audio[{i}]")
                   for i, x in enumerate(items)]
+    with llm._lock:  # the engine is single-threaded
+        return transcribe_recordings(eng, recordings, opts)
+
+
+def transcribe_recordings(eng: Any, recordings: list[Audio], opts: TranscriptionOptions) -> list[Transcription]:
+    """Every segment of every recording as one request on ``eng`` (an ``LLMEngine`` this
+    thread owns), stepped to completion; one ``Transcription`` per recording."""
+    speech, cfg = eng.target.speech, eng.cfg.audio
     jobs: list[tuple[int, Segment, list[int], SamplingParams]] = []
     for r, a in enumerate(recordings):
         for seg in segments_of(a.samples, cfg.max_clip_s):
             ids, clip = segment_request(eng.target.tokenizer, speech, a.samples, seg, opts)
-            jobs.append((r, seg, ids, SamplingParams(temperature=temperature, seed=seed, audio=clip,
+            jobs.append((r, seg, ids, SamplingParams(temperature=opts.temperature, seed=opts.seed, audio=clip,
                                                      max_tokens=max_tokens_for(clip.duration_s))))
-    with llm._lock:  # the engine is single-threaded
-        base = f"transcribe-{next(_ids)}-{uuid.uuid4().hex[:8]}"
-        rids = [f"{base}-{i}" for i in range(len(jobs))]
-        added: list[str] = []
-        final: dict[str, Any] = {}
-        try:
-            for rid, (_, _, ids, params) in zip(rids, jobs):
-                eng.add_request(rid, ids, params)
-                added.append(rid)
-            while len(final) < len(rids):
-                if not eng.has_unfinished():
-                    raise RuntimeError("the engine stopped with requests unfinished")
-                for out in eng.step():
-                    if out.finished:
-                        final[out.request_id] = out
-        except BaseException:
-            for rid in added:
-                if rid not in final:
-                    eng.abort_request(rid)
-            raise
+    base = f"transcribe-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+    rids = [f"{base}-{i}" for i in range(len(jobs))]
+    added: list[str] = []
+    final: dict[str, Any] = {}
+    try:
+        for rid, (_, _, ids, params) in zip(rids, jobs):
+            eng.add_request(rid, ids, params)
+            added.append(rid)
+        while len(final) < len(rids):
+            if not eng.has_unfinished():
+                raise RuntimeError("the engine stopped with requests unfinished")
+            for out in eng.step():
+                if out.finished:
+                    final[out.request_id] = out
+    except BaseException:
+        for rid in added:
+            if rid not in final:
+                eng.abort_request(rid)
+        raise
     for rid, (_, seg, _, _) in zip(rids, jobs):
         out = final[rid]
         if out.failure is not None:
