@@ -233,3 +233,21 @@ def test_a_text_model_refuses_to_transcribe(tiny_llama):
         assert s.kv_free()
     finally:
         s.close()
+
+
+def test_loadgen_mixes_transcriptions_in(served, tmp_path):
+    from specserve.loadgen import main as loadgen_main
+
+    for i in range(2):
+        (tmp_path / f"r{i}.wav").write_bytes(encode_wav(recording(0.8 + i, 10 + i)))
+    out = tmp_path / "load.json"
+    before = total(scrape(served.http), "specserve_ctc_requests_total")
+    rc = loadgen_main(["--grpc-target", f"127.0.0.1:{served.handle.grpc_port}", "--http-url", served.http,
+                       "--clients", "2", "--duration-s", "4", "--cancel-fraction", "0.1", "--bad-fraction", "0.1",
+                       "--transcribe-fraction", "0.5", "--audio-dir", str(tmp_path), "--max-tokens", "8",
+                       "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0, report["errors"]
+    assert report["lost"]["count"] == 0 and not report["errors"]["unexpected"]
+    assert total(scrape(served.http), "specserve_ctc_requests_total") > before  # transcriptions ran
+    assert wait_for(served.kv_free)
