@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specserve-installed
 ARGS ?=
 
-.PHONY: venv test test-python test-slow helm-gate serve bench bench-all generate loadgen proto clean
+.PHONY: venv test test-python test-slow helm-gate serve speech-demo bench bench-all bench-speech generate loadgen proto clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,16 @@ helm-gate:
 
 serve: venv
 	$(VENV)/bin/specserve $(ARGS)
+
+# The embedded speech model with CTC-draft self-speculation (docs/speech.md):
+#   curl -F file=@tests/fixtures/speech/00.wav -F model=smollm2-135m-speech localhost:8000/v1/audio/transcriptions
+speech-demo: venv
+	$(VENV)/bin/specserve model=smollm2-135m-speech +method=ctc $(ARGS)
+
+# WER and RTFx of plain decoding, ctc exact and ctc relaxed on the held-out speech fixtures (one run).
+bench-speech: venv
+	$(VENV)/bin/specserve-bench model=smollm2-135m-speech bench.dataset=audio bench.interleave=true \
+		engine.num_threads=1 bench.output=results/bench-speech.json $(ARGS)
 
 generate: venv
 	$(VENV)/bin/specserve-generate $(ARGS)
