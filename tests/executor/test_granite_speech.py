@@ -156,3 +156,25 @@ def test_a_modality_lora_is_refused_in_one_line(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="has_lora_adapter"):
         load_model(str(d), "float32", torch.device("cpu"))
+
+
+def test_the_prefix_cache_keys_audio_rows_by_the_recording(speech):
+    """Two recordings of one length have the same prompt token ids: only the recording's
+    digest keeps the second from reusing the first's cached audio rows."""
+    d, _, loaded = speech
+    a, b = AudioClip(recording(2.4, 21)), AudioClip(recording(2.4, 22))
+    ids = _prompt(loaded, a.samples)
+    assert ids == _prompt(loaded, b.samples)
+
+    def run(eng, clip):
+        p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, audio=clip)
+        return eng.generate([ids], [p])[0].token_ids
+
+    fresh_b = run(_engine(d, loaded), b)
+    eng = _engine(d, loaded)
+    assert eng.cfg.engine.enable_prefix_caching
+    first_a = run(eng, a)
+    hits = eng.blocks.num_hit_tokens
+    assert run(eng, a) == first_a and eng.blocks.num_hit_tokens > hits  # the same recording: cached
+    hits = eng.blocks.num_hit_tokens
+    assert run(eng, b) == fresh_b and eng.blocks.num_hit_tokens == hits  # another recording: nothing shared
