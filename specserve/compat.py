@@ -349,14 +349,8 @@ def compose(overrides: list[str], config_dir: Any = None):
 _UNIMPLEMENTED_SAMPLING: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1, None), "one completion per request: submit the prompt several times (with different seeds)"),
     "best_of": ((None, 1), "one completion per request"),
-    "bad_words": ((None, []), "bad_words is not implemented"),
-    "allowed_token_ids": ((None, []), "allowed_token_ids is not implemented"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
-    "include_stop_str_in_output": ((False,), "stop strings are never included in the output"),
-    "skip_special_tokens": ((True,), "special tokens are always skipped in the text"),
-    "spaces_between_special_tokens": ((True,), "special tokens are always skipped in the text"),
     "detokenize": ((True,), "text is always produced"),
-    "truncate_prompt_tokens": ((None,), "prompts are never truncated: shorten the prompt"),
     "guided_decoding": ((None,), "removed from vLLM: use structured_outputs=StructuredOutputsParams(...)"),
     "use_beam_search": ((False,), "beam search is not implemented"),
 }
@@ -377,6 +371,8 @@ def sampling_params_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
                 value = [] if value is None else [value] if isinstance(value, str) else value
             elif key == "stop_token_ids" and value is None:
                 value = []
+            elif key in ("bad_words", "allowed_token_ids") and value is not None and not isinstance(value, list):
+                value = list(value) if isinstance(value, tuple) else value
             if key in ("stop", "stop_token_ids") and isinstance(value, tuple):
                 value = list(value)
             out[key] = value

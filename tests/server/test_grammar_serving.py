@@ -262,7 +262,7 @@ def _compiles_in_flight(served) -> list[str]:
     if cache is None:
         return []
     with cache._lock:
-        return list(cache._running)
+        return [text for _, text in cache._running]  # keys: (partition, grammar text)
 
 
 def test_abort_while_the_compile_is_pending_drops_it(served, spy, monkeypatch):
