@@ -84,7 +84,7 @@ async def measure(url: str, wav: bytes, repeats: int, max_tokens: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-speech")
+    p.add_argument("--model", default="smollm2-135m-speech", help="a model preset, or a model directory")
     p.add_argument("--method", default="ctc")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--repeats", type=int, default=9)
@@ -97,7 +97,9 @@ def main() -> int:
     from specserve.engine.async_engine import build_async_engine
     from specserve.server import start_servers
 
-    overrides = [f"model={args.model}", "server.host=127.0.0.1", "server.grpc_port=0", "server.http_port=0",
+    model = [f"model.path={args.model}", "model.name=speech", "model.dtype=float32"] if "/" in args.model \
+        else [f"model={args.model}"]  # a directory, or a model preset
+    overrides = [*model, "server.host=127.0.0.1", "server.grpc_port=0", "server.http_port=0",
                  f"engine.num_threads={args.threads}"]
     if args.method != "none":
         overrides.append(f"+method={args.method}")
