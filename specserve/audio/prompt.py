@@ -18,12 +18,19 @@ _PLACEHOLDER = "\u2063AUDIO\u2063"  # never produced by a tokenizer's text
 
 
 def transcription_prompt(tokenizer: Any, audio_token_index: int, num_audio_tokens: int,
-                         instruction: str = DEFAULT_INSTRUCTION, context: str | None = None) -> list[int]:
+                         instruction: str | None = DEFAULT_INSTRUCTION, context: str | None = None,
+                         system: str | None = None) -> list[int]:
     """Token ids of the prompt.  ``context``: the client's ``prompt`` field (earlier text
-    of the same recording or spellings to follow), placed after the instruction."""
-    text = instruction if not context else f"{instruction} {context}"
+    of the same recording or spellings to follow), placed after the instruction.
+    ``instruction`` and ``system``: the model's own (``SpeechSpec``: a model may declare
+    them in its config; None: the Granite instruction, and the template's default system
+    turn)."""
+    instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
+    text = " ".join(t for t in (instruction, context) if t)
     content = _PLACEHOLDER + text
     messages = [{"role": "user", "content": content}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     if getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:

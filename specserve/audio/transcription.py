@@ -107,7 +107,8 @@ def segment_request(tokenizer: Any, speech: Any, samples: np.ndarray, seg: Segme
     """(prompt token ids, the segment's clip)."""
     clip = AudioClip(np.ascontiguousarray(samples[seg.start : seg.end]))
     n = num_audio_tokens(len(clip.samples), speech.window_size, speech.downsample_rate)
-    ids = transcription_prompt(tokenizer, speech.audio_token_index, n, context=opts.prompt)
+    ids = transcription_prompt(tokenizer, speech.audio_token_index, n, getattr(speech, "instruction", None),
+                               opts.prompt, getattr(speech, "system_prompt", None))
     return ids, clip
 
 

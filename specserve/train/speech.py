@@ -263,7 +263,8 @@ def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
         seqs, labels = [], []
         for h, i in zip(hid, idx):
             a = model.projector(h[None])[0]  # (n_audio, H)
-            prompt = transcription_prompt(tok, cfg.audio_token_index, a.shape[0])
+            prompt = transcription_prompt(tok, cfg.audio_token_index, a.shape[0], cfg.prompt_instruction,
+                                          system=cfg.prompt_system)
             target = tok(data["texts"][int(i)], add_special_tokens=False).input_ids + [end]
             ids = torch.tensor(prompt + target)
             x = emb(ids).clone()
@@ -312,7 +313,8 @@ def align_sample(model: SpeechModel, llm: Any, tok: Any, data: dict[str, Any], c
     for i in range(data["num_train"], data["num_train"] + num):
         h, _ = model.encoder(input_features(_clip(data, i))[None])
         a = model.projector(h)[0]
-        ids = torch.tensor(transcription_prompt(tok, cfg.audio_token_index, a.shape[0]))
+        ids = torch.tensor(transcription_prompt(tok, cfg.audio_token_index, a.shape[0], cfg.prompt_instruction,
+                                                system=cfg.prompt_system))
         x = emb(ids).clone()
         x[(ids == cfg.audio_token_index).nonzero().flatten()] = a
         out = []
@@ -359,6 +361,8 @@ def export(cfg: SpeechTrainConfig, model: SpeechModel, out: Path, text_config: A
         # specserve's own keys: where the text model's weights and tokenizer come from, and
         # what the CTC labels mean.
         "specserve": {"text_model": cfg.model["path"], "ctc_labels": "unicode", "transcript": "normalized",
+                      "languages": ["en"],
+                      "prompt": {"system": cfg.prompt_system, "instruction": cfg.prompt_instruction},
                       "trained_on": "English sentences spoken by espeak-ng (voice %s)" % cfg.data.voice},
     }
     tmp = out.with_name(out.name + ".tmp")

@@ -72,6 +72,10 @@ class SpeechTrainConfig:
     # The audio placeholder's token id in the text model's vocabulary (a token plain text
     # never produces; SmolLM2's <empty_output>).
     audio_token_index: int = 16
+    # The prompt the model is trained with (written to its config, used by every door):
+    # a short system turn and no instruction keep training sequences short.
+    prompt_system: Optional[str] = "Transcribe the audio."
+    prompt_instruction: Optional[str] = ""
     num_threads: Optional[int] = 1
     cache_dir: Optional[str] = None  # model.cache_dir for the text model's conversion
     output_dir: str = "outputs/speech-smollm2-135m"  # checkpoints (resumable) and the exported model

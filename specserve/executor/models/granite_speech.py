@@ -424,6 +424,10 @@ class SpeechSpec:
     # (the embedded model); "raw": as the checkpoint's training data had them.
     transcript: str = "raw"
     languages: tuple[str, ...] | None = None  # ISO-639-1 codes it transcribes (None: not declared)
+    # The prompt it was trained with (config.json's specserve.prompt): None = Granite's
+    # instruction and the chat template's default system turn.
+    instruction: str | None = None
+    system_prompt: str | None = None
     model: Any = None
 
     @property
@@ -447,4 +451,6 @@ class SpeechSpec:
             audio_token_index=int(_get(c, "audio_token_index", _get(c, "audio_token_id", 0))),
             ctc_labels=str(extra.get("ctc_labels", "unicode")), transcript=str(extra.get("transcript", "raw")),
             languages=tuple(extra["languages"]) if extra.get("languages") else None,
+            instruction=(extra.get("prompt") or {}).get("instruction"),
+            system_prompt=(extra.get("prompt") or {}).get("system"),
         )
