@@ -153,3 +153,20 @@ def test_clip_digest_follows_the_samples():
 def test_transcript_normalization():
     assert normalize_transcript("Don't stop -- it's 5 PM!") == "don't stop it's pm"
     assert normalize_transcript("  'Quoted'  words, HERE. ") == "quoted words here"
+
+
+def test_the_prompt_places_the_audio_positions_in_the_user_turn(tmp_path):
+    from specserve.audio.prompt import transcription_prompt
+    from tests.tiny_models import _tokenizer
+
+    _tokenizer(tmp_path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = transcription_prompt(tok, 500, 6, "w7 w8", context="w9", system="w3")
+    text = tok.decode(ids)
+    # (the tiny word-level vocabulary spells the role names <unk>)
+    assert text == "<|im_start|> <unk> w3 <|im_end|> <|im_start|> <unk> " + "w495 " * 6 + "w7 w8 w9 <|im_end|> " \
+                   "<|im_start|> <unk>"
+    # a client's text that spells the audio token cannot add audio positions
+    assert transcription_prompt(tok, 500, 2, "w7", context="w495 w495").count(500) == 2
