@@ -1,8 +1,9 @@
-"""Load a model from the embedded GGUF, a local .gguf file or a local HF directory.
+"""Load a model from the embedded GGUF, a local .gguf file, a local HF directory or a
+Hugging Face id in the Hugging Face cache (``specserve.hub``).
 
 A GGUF file is converted once (tokenizer + dequantised float32 weights) into
 an HF-format directory under the cache dir, so there is exactly one loading
-path and restarts are fast.  Nothing is ever downloaded.
+path and restarts are fast.  Nothing is downloaded unless ``model.download=true``.
 """
 
 from __future__ import annotations
@@ -135,21 +136,30 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return out
 
 
-def resolve_hf_dir(path: str, cache_dir: str | None) -> Path:
-    """Map a model path (embedded:<name>, x.gguf, or a directory) to an HF dir."""
+def missing_path_message(path: str) -> str:
+    """Why ``path`` names no model, with where the built-in presets look (SPECSERVE_MODELS_DIR)."""
+    env = os.environ.get("SPECSERVE_MODELS_DIR")
+    where = (f"SPECSERVE_MODELS_DIR={env}" if env else
+             "SPECSERVE_MODELS_DIR is unset, so presets such as model=qwen3-0.6b look under /models")
+    return (f"model path not found: {path!r} ({where}; give a local HF directory, a .gguf file, embedded:<name> "
+            "or a Hugging Face id org/name[@revision] from the Hugging Face cache)")
+
+
+def resolve_hf_dir(path: str, cache_dir: str | None, key: str = "model.path") -> Path:
+    """Map a model path (embedded:<name>, x.gguf, a directory or a hub id) to an HF dir."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if path.startswith("embedded:"):
         return convert_gguf(embedded_gguf_path(path.split(":", 1)[1]), cache)
-    p = Path(path).expanduser()
+    from specserve.hub import local_dir
+
+    snapshot = local_dir(path, key)  # org/name[@revision]: the cached (or fetched) snapshot
+    p = snapshot if snapshot is not None else Path(path).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise ModelLoadError(f"model file not found: {p}")
         return convert_gguf(p, cache)
     if not p.is_dir():
-        raise ModelLoadError(
-            f"model path not found: {path!r} (give a local HF directory, a .gguf file or embedded:<name>; "
-            "nothing is downloaded)"
-        )
+        raise ModelLoadError(missing_path_message(path))
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"{p} has no config.json: not an HF-format model directory")
     return p
@@ -229,11 +239,15 @@ def load_model(
     key: str = "model",
     cpu_kernel: str = "auto",
     tp: Any = None,
+    tokenizer_path: str | None = None,
 ) -> LoadedModel:
-    """``tp``: a ``specserve.parallel.loading.ShardSpec``: load only this rank's slices."""
+    """``tp``: a ``specserve.parallel.loading.ShardSpec``: load only this rank's slices.
+    ``tokenizer_path``: the tokenizer's own directory or id (``model.tokenizer``); None =
+    the model's."""
     from transformers import AutoConfig, AutoTokenizer
 
-    hf_dir = resolve_hf_dir(path, cache_dir)
+    hf_dir = resolve_hf_dir(path, cache_dir, f"{key}.path")
+    tok_dir = resolve_hf_dir(tokenizer_path, cache_dir, f"{key}.tokenizer") if tokenizer_path else hf_dir
     dtype = resolve_dtype(dtype_name, device, cpu_kernel)
     try:
         hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
@@ -250,9 +264,10 @@ def load_model(
         raise ModelLoadError(f"{key}.max_model_len={max_model_len} exceeds the model's {limit} positions")
     mml = max_model_len or min(limit, 8192)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     except Exception as e:
-        raise ModelLoadError(f"{key}.path: cannot load the tokenizer from {hf_dir}: {e}") from e
+        which = "tokenizer" if tokenizer_path else "path"
+        raise ModelLoadError(f"{key}.{which}: cannot load the tokenizer from {tok_dir}: {e}") from e
     if tp is not None:  # tensor parallel: this rank's slices of the checkpoint only
         model, arch = tp.build(hf_dir, hf_config, arch, dtype)
     else:
