@@ -145,8 +145,9 @@ def missing_path_message(path: str) -> str:
             "or a Hugging Face id org/name[@revision] from the Hugging Face cache)")
 
 
-def resolve_hf_dir(path: str, cache_dir: str | None, key: str = "model.path") -> Path:
-    """Map a model path (embedded:<name>, x.gguf, a directory or a hub id) to an HF dir."""
+def resolve_hf_dir(path: str, cache_dir: str | None, key: str = "model.path", need_config: bool = True) -> Path:
+    """Map a model path (embedded:<name>, x.gguf, a directory or a hub id) to an HF dir
+    (``need_config``: it must hold a config.json; a tokenizer's directory need not)."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if path.startswith("embedded:"):
         return convert_gguf(embedded_gguf_path(path.split(":", 1)[1]), cache)
@@ -160,7 +161,7 @@ def resolve_hf_dir(path: str, cache_dir: str | None, key: str = "model.path") ->
         return convert_gguf(p, cache)
     if not p.is_dir():
         raise ModelLoadError(missing_path_message(path))
-    if not (p / "config.json").is_file():
+    if need_config and not (p / "config.json").is_file():
         raise ModelLoadError(f"{p} has no config.json: not an HF-format model directory")
     return p
 
@@ -247,7 +248,7 @@ def load_model(
     from transformers import AutoConfig, AutoTokenizer
 
     hf_dir = resolve_hf_dir(path, cache_dir, f"{key}.path")
-    tok_dir = resolve_hf_dir(tokenizer_path, cache_dir, f"{key}.tokenizer") if tokenizer_path else hf_dir
+    tok_dir = resolve_hf_dir(tokenizer_path, cache_dir, f"{key}.tokenizer", False) if tokenizer_path else hf_dir
     dtype = resolve_dtype(dtype_name, device, cpu_kernel)
     try:
         hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
