@@ -13,8 +13,8 @@ fetches a missing snapshot with ``huggingface_hub.snapshot_download`` (token fro
 ``$HF_TOKEN``) when the model is loaded; ``HF_HUB_OFFLINE=1`` forbids it.  Without
 either, a missing id is one line naming the key, the cache searched and how to fill it.
 
-``python -m specserve.hub fetch org/name[@revision]`` fetches one snapshot into the
-cache and prints its directory: the chart's init container runs it (docs/deploy.md).
+``python -m specserve.hub fetch org/name[@revision] ...`` fetches snapshots into the cache
+and prints their directories: the chart's init container runs it (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -79,7 +79,10 @@ def _spelled(repo: str, revision: str | None) -> str:
 def missing_message(repo: str, revision: str | None, download_key: str) -> str:
     where = cache_dir()
     fill = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
-    if offline():
+    hint = os.environ.get("SPECSERVE_MODEL_FETCH_HINT")  # set by the Helm chart: its own key
+    if hint:
+        how = f"{hint} ({fill})"
+    elif offline():
         how = f"HF_HUB_OFFLINE=1 forbids downloads: fill the cache first ({fill})"
     else:
         how = f"fetch it with `{fill}` or set {download_key}=true to download it at start-up"
@@ -146,45 +149,40 @@ def fetch(repo: str, revision: str | None = None, token: str | None = None) -> P
     return Path(path)
 
 
-USAGE = """usage: python -m specserve.hub fetch ORG/NAME[@REVISION] [--revision REV]
-       python -m specserve.hub check ORG/NAME[@REVISION] [--revision REV]
+USAGE = """usage: python -m specserve.hub fetch ORG/NAME[@REVISION] [ORG/NAME[@REVISION] ...]
+       python -m specserve.hub check ORG/NAME[@REVISION] [...]
 
-fetch: download the snapshot (config, weights, tokenizer) into the Hugging Face cache
-($HF_HUB_CACHE or $HF_HOME/hub) unless it is there; token from $HF_TOKEN.
-check: exit 0 when it is cached, else 1 with one line.  Both print the snapshot directory.
+fetch: download each snapshot (config, weights, tokenizer) into the Hugging Face cache
+($HF_HUB_CACHE or $HF_HOME/hub) unless it is there already; token from $HF_TOKEN.
+check: exit 0 when every one is cached, else 1 with one line.  Both print each snapshot's
+directory, one per line.
 """
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2 or argv[0] not in ("fetch", "check") or argv[1].startswith("-"):
+    if len(argv) < 2 or argv[0] not in ("fetch", "check") or any(a.startswith("-") for a in argv[1:]):
         print(USAGE, file=sys.stderr)
         return 2
-    command, spec, rest = argv[0], argv[1], argv[2:]
-    parsed = _ID.fullmatch(spec)
-    if parsed is None:
-        print(f"specserve.hub: error: {spec!r} is not a Hugging Face id (org/name[@revision])", file=sys.stderr)
-        return 2
-    repo, revision = parsed.group("repo"), parsed.group("rev")
-    if rest[:1] == ["--revision"] and len(rest) == 2:
-        revision = rest[1] or revision
-    elif rest:
-        print(USAGE, file=sys.stderr)
-        return 2
-    found = cached_snapshot(repo, revision)
-    if found is None and command == "check":
-        print(f"specserve.hub: error: {missing_message(repo, revision, 'model.download')}", file=sys.stderr)
-        return 1
-    if found is None:
-        if offline():
+    command, specs = argv[0], argv[1:]
+    parsed = [_ID.fullmatch(spec) for spec in specs]
+    for spec, m in zip(specs, parsed):
+        if m is None:
+            print(f"specserve.hub: error: {spec!r} is not a Hugging Face id (org/name[@revision])", file=sys.stderr)
+            return 2
+    for m in parsed:
+        repo, revision = m.group("repo"), m.group("rev")
+        found = cached_snapshot(repo, revision)
+        if found is None and (command == "check" or offline()):
             print(f"specserve.hub: error: {missing_message(repo, revision, 'model.download')}", file=sys.stderr)
             return 1
-        try:
-            found = fetch(repo, revision)
-        except ConfigError as e:
-            print(f"specserve.hub: error: {e}", file=sys.stderr)
-            return 1
-    print(found)
+        if found is None:
+            try:
+                found = fetch(repo, revision)
+            except ConfigError as e:
+                print(f"specserve.hub: error: {e}", file=sys.stderr)
+                return 1
+        print(found, flush=True)
     return 0
 
 

@@ -184,11 +184,15 @@ def test_hub_module_check_and_offline_fetch(hub_env, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with contextlib.redirect_stderr(err):
         assert main(["check", "testorg/absent"]) == 1
-        assert main(["fetch", "testorg/absent", "--revision", "abc"]) == 1
+        assert main(["fetch", REPO, "testorg/absent@abc"]) == 1
         assert main(["fetch", "not an id"]) == 2
     lines = err.getvalue().splitlines()
     assert len(lines) == 3 and all(line.startswith("specserve.hub: error: ") for line in lines)
     assert "testorg/absent@abc" in lines[1] and "HF_HUB_OFFLINE=1" in lines[1]
+    # the chart's hint (modelCache.offline) replaces the generic advice
+    monkeypatch.setenv("SPECSERVE_MODEL_FETCH_HINT", "modelCache.offline=true: the chart fetches nothing")
+    text = one_line(["model.path=testorg/absent"])
+    assert "modelCache.offline=true: the chart fetches nothing (hf download testorg/absent)" in text
 
 
 # --------------------------------------------------------------------------- served by id
