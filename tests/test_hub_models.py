@@ -263,3 +263,20 @@ def test_the_cli_names_the_id_in_a_subprocess(hub_env, tmp_path):
                           text=True, timeout=120, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert f"path: {snap}" in proc.stdout and f"name: {REPO}" in proc.stdout
+
+
+def test_a_speculators_head_names_its_verifier_by_id(hub_env, tmp_path):
+    """vLLM serves a speculators checkpoint alone; its verifier is a Hub id, found in the cache."""
+    import json
+
+    from specserve.config import Config, ModelConfig, validate_config
+
+    _, snap, _ = hub_env
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "speculators_config": {
+        "algorithm": "eagle3", "verifier": {"name_or_path": REPO},
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]}}))  # fmt: skip
+    cfg = validate_config(Config(model=ModelConfig(name="x", path=str(head))))
+    assert Path(cfg.model.path) == snap and cfg.method.method == "eagle3" and cfg.method.model == str(head)
