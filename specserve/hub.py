@@ -69,7 +69,8 @@ def cached_snapshot(repo: str, revision: str | None) -> Path | None:
         path = snapshot_download(repo, revision=revision, cache_dir=str(cache_dir()), local_files_only=True)
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
         return None
-    return Path(path) if (Path(path) / "config.json").is_file() or any(Path(path).iterdir()) else None
+    snapshot = Path(path)
+    return snapshot if snapshot.is_dir() and any(snapshot.iterdir()) else None  # an empty one holds nothing
 
 
 def _spelled(repo: str, revision: str | None) -> str:
