@@ -142,7 +142,8 @@ def missing_path_message(path: str) -> str:
     where = (f"SPECSERVE_MODELS_DIR={env}" if env else
              "SPECSERVE_MODELS_DIR is unset, so presets such as model=qwen3-0.6b look under /models")
     return (f"model path not found: {path!r} ({where}; give a local HF directory, a .gguf file, embedded:<name> "
-            "or a Hugging Face id org/name[@revision] from the Hugging Face cache)")
+            "or a Hugging Face id org/name[@revision] from the Hugging Face cache; nothing is downloaded unless "
+            "model.download=true)")
 
 
 def resolve_hf_dir(path: str, cache_dir: str | None, key: str = "model.path", need_config: bool = True) -> Path:
