@@ -191,10 +191,21 @@ def speculative_overrides(spec: Any) -> list[str]:
             out.append(override("method.model", f"embedded:{name}"))
         else:
             out.append(override("method.model", m))
-    for key, value in spec.items():
-        if not isinstance(key, str):
-            raise ConfigError("speculative_config", f"keys must be strings, got {key!r}")
-        out.append(override(f"method.{key}", value))
+    out += _nested_overrides("method", spec)
+    return out
+
+
+def _nested_overrides(prefix: str, values: dict) -> list[str]:
+    """``{key: value}`` under ``prefix`` as Hydra overrides; an object value (vLLM's nested
+    ``"tree": {...}``) becomes its dotted keys, as the command line writes them."""
+    out = []
+    for key, value in values.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError("speculative_config", f"keys must be non-empty strings, got {key!r}")
+        if isinstance(value, dict) and value:
+            out += _nested_overrides(f"{prefix}.{key}", value)
+        else:
+            out.append(override(f"{prefix}.{key}", value))
     return out
 
 
@@ -350,14 +361,8 @@ def compose(overrides: list[str], config_dir: Any = None):
 # vLLM SamplingParams keywords this build does not implement: accepted only at the
 # value that changes nothing, else one line saying so.
 _UNIMPLEMENTED_SAMPLING: dict[str, tuple[tuple[Any, ...], str]] = {
-    "bad_words": ((None, []), "bad_words is not implemented"),
-    "allowed_token_ids": ((None, []), "allowed_token_ids is not implemented"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
-    "include_stop_str_in_output": ((False,), "stop strings are never included in the output"),
-    "skip_special_tokens": ((True,), "special tokens are always skipped in the text"),
-    "spaces_between_special_tokens": ((True,), "special tokens are always skipped in the text"),
     "detokenize": ((True,), "text is always produced"),
-    "truncate_prompt_tokens": ((None,), "prompts are never truncated: shorten the prompt"),
     "guided_decoding": ((None,), "removed from vLLM: use structured_outputs=StructuredOutputsParams(...)"),
     "use_beam_search": ((False,), "beam search is not implemented"),
 }
@@ -378,6 +383,8 @@ def sampling_params_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
                 value = [] if value is None else [value] if isinstance(value, str) else value
             elif key == "stop_token_ids" and value is None:
                 value = []
+            elif key in ("bad_words", "allowed_token_ids") and value is not None and not isinstance(value, list):
+                value = list(value) if isinstance(value, tuple) else value
             if key in ("stop", "stop_token_ids") and isinstance(value, tuple):
                 value = list(value)
             out[key] = value

@@ -573,6 +573,8 @@ def validate_config(cfg: Config) -> Config:
     _int("bench.num_prompts", b.num_prompts, 1)
     _int("bench.max_tokens", b.max_tokens, 1)
     _int("bench.concurrency", b.concurrency, 1)
+    _int("bench.max_prompt_tokens", b.max_prompt_tokens, 1)
+    _int("bench.warmup", b.warmup, 0)
     if not isinstance(b.interleave, bool):
         raise ConfigError("bench.interleave", f"must be true or false, got {b.interleave!r}")
     for name in b.baselines:

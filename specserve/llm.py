@@ -149,8 +149,8 @@ class _Logprobs:
         if e is None:  # the first prompt token has none
             return None
         out = {t: Logprob(lp, r, self._text(t)) for r, (t, lp) in enumerate(e.top, start=1)}
-        if e.token_id not in out:  # the sampled token, outside the top k
-            out[e.token_id] = Logprob(e.logprob, None, self._text(e.token_id))
+        if e.token_id not in out:  # the sampled (or prompt) token, outside the top k: its rank where known
+            out[e.token_id] = Logprob(e.logprob, e.rank, self._text(e.token_id))
         return out
 
 
@@ -232,11 +232,12 @@ def _params_list(params: Any, n: int, defaults: dict[str, Any] | None = None) ->
 class _Prompts:
     """Turns the accepted prompt forms into token ids with the engine's tokenizer."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int):
+    def __init__(self, tokenizer: Any, max_model_len: int, output_room: Callable[[int], int] | None = None):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.output_room = output_room or (lambda n: max_model_len - n)
 
-    def encode(self, prompt: Any, i: int) -> tuple[str | None, list[int]]:
+    def encode(self, prompt: Any, i: int, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -247,20 +248,28 @@ class _Prompts:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError(f"prompts[{i}]", "must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if _is_token_ids(prompt):
             return None, list(prompt)
         raise InvalidRequestError(f"prompts[{i}]", f"must be a string or a list of token ids, got {prompt!r:.60}")
 
-    def chat(self, conversation: Any, i: int) -> tuple[str, list[int]]:
+    def chat(self, conversation: Any, i: int, add_special_tokens: bool = False) -> tuple[str, list[int]]:
         ids = self.tokenizer.apply_chat_template([dict(m) for m in conversation])
+        if add_special_tokens:
+            ids = self.tokenizer.with_special_tokens(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=False), ids
 
     def params_for(self, params: SamplingParams, n_prompt: int) -> SamplingParams:
-        """vLLM's ``max_tokens=None``: up to the model's length limit."""
+        """vLLM's ``max_tokens=None``: up to what the model's length and the KV cache leave."""
         if params.max_tokens is None:
-            return replace(params, max_tokens=max(1, self.max_model_len - n_prompt))
+            return replace(params, max_tokens=max(1, self.output_room(n_prompt)))
         return params
+
+    def truncated(self, encoded: tuple[str | None, list[int]], params: SamplingParams) -> tuple[str | None, list[int]]:
+        """The prompt after ``truncate_prompt_tokens`` (its text then None: vLLM shows the ids)."""
+        text, ids = encoded
+        cut = params.truncate_prompt(ids, self.max_model_len)
+        return (text, ids) if len(cut) == len(ids) else (None, cut)
 
 
 def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
@@ -331,7 +340,7 @@ class LLM:
 
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
-        self._prompts = _Prompts(self.tokenizer, self.engine.max_model_len)
+        self._prompts = _Prompts(self.tokenizer, self.engine.max_model_len, self.engine.output_room)
         self._lock = threading.Lock()  # the engine is single-threaded
         self._ids = itertools.count()
 
@@ -355,15 +364,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
+        add_special_tokens: bool = True,
     ) -> list[GenerationOutput]:
         """Run prompts to completion; outputs in prompt order.
 
         ``prompts``: a string, a list of token ids, a dict with "prompt" or
         "prompt_token_ids", or a list of those (no chat template: use ``chat``).
         ``sampling_params``: one for all prompts, one per prompt, or None
-        (``SamplingParams()``: temperature 1, 16 tokens, as in vLLM)."""
+        (``SamplingParams()``: temperature 1, 16 tokens, as in vLLM).
+        ``add_special_tokens``: a text prompt gets the tokenizer's special tokens (e.g. BOS)."""
         items = _prompt_list(prompts)
-        encoded = [self._prompts.encode(p, i) for i, p in enumerate(items)]
+        encoded = [self._prompts.encode(p, i, add_special_tokens) for i, p in enumerate(items)]
         return self._run(encoded, _params_list(sampling_params, len(items), self.info.sampling_defaults), use_tqdm)
 
     def chat(
@@ -372,11 +383,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
+        add_special_tokens: bool = False,
     ) -> list[GenerationOutput]:
         """One conversation ``[{"role": ..., "content": ...}, ...]`` or a list of them,
-        rendered with the model's chat template (as the servers' chat endpoint does)."""
+        rendered with the model's chat template (as the servers' chat endpoint does;
+        ``add_special_tokens`` adds the tokenizer's own, e.g. BOS, around it)."""
         convs = _conversations(messages)
-        encoded = [self._prompts.chat(c, i) for i, c in enumerate(convs)]
+        encoded = [self._prompts.chat(c, i, add_special_tokens) for i, c in enumerate(convs)]
         return self._run(encoded, _params_list(sampling_params, len(convs), self.info.sampling_defaults), use_tqdm)
 
     async def agenerate(
@@ -406,6 +419,7 @@ class LLM:
             return []
         eng = self.engine
         lp = _Logprobs(self.tokenizer)
+        encoded = [self._prompts.truncated(e, sp) for e, sp in zip(encoded, params)]
         with self._lock:
             base = f"llm-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             prompts = [f"{base}-{i}" for i in range(len(encoded))]
@@ -549,7 +563,7 @@ class AsyncLLM:
         core = LLMEngine(self.config)
         self.engine = AsyncEngine(core, max_queue if max_queue is not None else sys.maxsize)
         self.tokenizer = core.tokenizer
-        self._prompts = _Prompts(self.tokenizer, core.max_model_len)
+        self._prompts = _Prompts(self.tokenizer, core.max_model_len, core.output_room)
         self._logprobs = _Logprobs(self.tokenizer)
         self.engine.start()
 
@@ -603,14 +617,19 @@ class AsyncLLM:
         if params is not None and getattr(params, "best_of", None) not in (None, 1):
             raise InvalidRequestError("n", "AsyncLLM streams one completion per request; use LLM.generate for "
                                            "n or best_of > 1")
-        if params is None:
-            params = SamplingParams(**self.info.sampling_defaults)
+        params = params if params is not None else SamplingParams(**self.info.sampling_defaults)
+        text, ids = self._prompts.truncated((text, ids), params)
         params = self._prompts.params_for(params, len(ids))
         if params.structured_outputs is not None and params.compiled_grammar is None:
             # compiled here, in a worker thread, so the engine thread goes on stepping the others
             compiled = await asyncio.to_thread(self.engine.grammar_backend.compile, params.structured_outputs,
-                                               self.config.server.grammar_max_chars)
+                                               self.config.server.grammar_max_chars, params.cache_salt)
             params = replace(params, compiled_grammar=compiled)
+        if params.bad_words and params.bad_words_token_ids is None:  # tokenized here, not on the engine thread
+            from specserve.engine.tokenizer import bad_words_token_ids
+
+            words = await asyncio.to_thread(bad_words_token_ids, self.tokenizer, params.bad_words)
+            params = replace(params, bad_words_token_ids=words)
         rid = request_id or f"async-{uuid.uuid4().hex}"
         convert = _Converted(self._logprobs, text, ids, params)
         async for out in self.engine.generate(rid, ids, params):

@@ -27,6 +27,8 @@ MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's chat limit)
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 LOGIT_BIAS_RANGE = 100.0  # |bias| <= this (OpenAI's range)
 PENALTY_RANGE = 2.0  # presence/frequency penalties in [-2, 2] (OpenAI's range)
+MAX_BAD_WORDS = 128  # bad_words entries (vLLM's default bound on their tokenizations)
+MAX_BAD_WORD_CHARS = 512
 
 
 class FinishReason(str, enum.Enum):
@@ -146,6 +148,27 @@ class SamplingParams:
     # for the server's choice.  A dict of SpeculationParams' fields is taken too.
     speculation: SpeculationParams | None = None
 
+    # vLLM's output and vocabulary controls, as vLLM defines them.
+    # include_stop_str_in_output: the text ends after the stop string that ended it (not before).
+    # skip_special_tokens: special tokens add no text (False: their text is kept);
+    # spaces_between_special_tokens (with skip_special_tokens False): False joins adjacent
+    # special tokens with nothing between them.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # bad_words: words never generated: each word is tokenized as it would start the text and
+    # after a space (vLLM's rule, ``engine.tokenizer.bad_words_token_ids``); its last token is
+    # banned wherever the output ends with the others (a one-token word: everywhere).
+    # allowed_token_ids: only these tokens may be generated.  Both apply at every verified
+    # position, as the logits controls above do.
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    # bad_words tokenized (set by the server off the engine thread, else by the engine).
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    # truncate_prompt_tokens k: only the last k prompt tokens are used (-1: the last
+    # max_model_len - 1); applied where prompts are tokenized (``truncate_prompt``).
+    truncate_prompt_tokens: int | None = None
+
     @property
     def num_speculative_tokens(self) -> int | None:
         """The request's cap on drafts per step (0: no speculation), None: the server's K."""
@@ -157,8 +180,21 @@ class SamplingParams:
         """Whether any control beyond temperature/top-k/top-p/min-p changes the logits."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
-            or self.min_tokens or self.structured_outputs is not None
+            or self.min_tokens or self.structured_outputs is not None or self.bad_words
+            or self.allowed_token_ids is not None
         )
+
+    def truncate_prompt(self, ids: list[int], max_model_len: int | None = None) -> list[int]:
+        """``ids`` cut to their last ``truncate_prompt_tokens`` (-1: the last
+        ``max_model_len - 1``, room for one output token), as vLLM truncates prompts."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            if max_model_len is None:
+                return ids
+            k = max(1, max_model_len - 1)
+        return ids[-k:] if len(ids) > k else ids
 
     @property
     def greedy(self) -> bool:
@@ -211,6 +247,39 @@ class SamplingParams:
             if not isinstance(so, StructuredOutputsParams):
                 raise InvalidRequestError("structured_outputs", "must be a StructuredOutputsParams")
             so.kind()
+        self._validate_vocabulary_controls(vocab_size)
+
+    def _validate_vocabulary_controls(self, vocab_size: int | None) -> None:
+        """vLLM's output and vocabulary fields (part of ``validate``)."""
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(name, f"must be a boolean, got {type(getattr(self, name)).__name__}")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+                raise InvalidRequestError("bad_words", "must be a list of strings")
+            if len(words) > MAX_BAD_WORDS:
+                raise InvalidRequestError("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(words)}")
+            for w in words:
+                if not w.strip():
+                    raise InvalidRequestError("bad_words", "words must not be empty or only spaces")
+                if len(w) > MAX_BAD_WORD_CHARS:
+                    raise InvalidRequestError("bad_words", f"each word must be at most {MAX_BAD_WORD_CHARS} characters")
+                check_text("bad_words", w)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InvalidRequestError("allowed_token_ids", "must be a list of integer token ids")
+            if not ids:
+                raise InvalidRequestError("allowed_token_ids", "must not be empty (no token could be generated)")
+            if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in ids):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise InvalidRequestError("allowed_token_ids", f"every id must be in {bound}")
+        k = self.truncate_prompt_tokens
+        if k is not None:
+            _check_int("truncate_prompt_tokens", k)
+            if k < 1 and k != -1:
+                raise InvalidRequestError("truncate_prompt_tokens", f"must be >= 1, or -1 for max_model_len, got {k}")
 
     def _validate_speculation(self, max_speculative_tokens: int | None) -> None:
         """``speculation`` (part of ``validate``): a SpeculationParams (a dict becomes one)
@@ -353,6 +422,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + the tokens more likely than it at its position, where computed
 
 
 @dataclass

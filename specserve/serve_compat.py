@@ -252,13 +252,14 @@ def serve_main(argv: list[str], run: Callable[[list[str]], int]) -> int:
 
 
 def _dry_run(overrides: list[str], hydra_form: str) -> int:
-    from specserve.compose import UsageError, check_device, compose_config, config_yaml
+    from specserve.compose import UsageError, check_device, check_model_paths, compose_config, config_yaml
 
     print("# the Hydra command line this translates to:")
     print(hydra_form)
     try:
         cfg = compose_config(overrides)
         check_device(cfg)  # start-up's device and dtype checks (float16 on the CPU, ...)
+        check_model_paths(cfg)  # the model files exist (nothing is loaded)
     except (UsageError, SpecServeError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -11,14 +11,17 @@ tokenizer (the embedded SmolLM2 one included) offline.  xgrammar would do too
 (vLLM's default; also rollback) but pulls a TVM runtime and compiles per schema.
 
 Compiling (:class:`GrammarBackend`): a request's spec becomes llguidance grammar
-text (:func:`grammar_text`, the cache key; longer than ``server.grammar_max_chars``
-is refused), then a matcher built under :data:`PARSER_LIMITS` (llguidance's
+text (:func:`grammar_text`; longer than ``server.grammar_max_chars`` is refused), then a matcher built under :data:`PARSER_LIMITS` (llguidance's
 resource limits: they bound the work of the compile and of every later mask) whose
 first mask is computed at once, because llguidance builds its lexer there (a second
 for some regexes).  The result, a :class:`CompiledGrammar`, lives in a
-:class:`GrammarCache` (LRU, bounded in entries): one compile per distinct grammar,
-shared by the copies of ``n``/``best_of``/prompt lists and by concurrent identical
-requests (they wait for the one in flight).  Each request gets its own cheap
+:class:`GrammarCache` (LRU, bounded in entries), keyed by the request's cache
+partition (``SamplingParams.cache_salt``: its tenant and ``cache_salt``) and the
+grammar text: one compile per distinct grammar and partition, shared by the copies of
+``n``/``best_of``/prompt lists and by concurrent identical requests of the same
+partition (they wait for the one in flight).  A grammar another tenant compiled is
+compiled again: a hit would answer in a fraction of a fresh compile's time and tell
+one tenant what another sent, which the prefix cache and the suffix tree never do.  Each request gets its own cheap
 :class:`GrammarState` copy (``LLMatcher.deep_copy``).  The servers compile in worker
 threads (``Frontend.compile_grammar``) and hand the result to the engine on
 ``SamplingParams.compiled_grammar``; the offline engine compiles inline, through
@@ -140,19 +143,26 @@ class CompiledGrammar:
         return GrammarState(self._m.deep_copy(), self.words, self.eos, field)
 
 
+CacheKey = tuple  # (partition, grammar text): partition None is the common one
+
+
 class _Compile:
-    """One compile of one grammar text, shared by every request waiting for it."""
+    """One compile of one grammar text in one partition, shared by every request waiting for it."""
 
-    __slots__ = ("text", "future", "waiters")
+    __slots__ = ("key", "future", "waiters")
 
-    def __init__(self, text: str):
-        self.text = text
+    def __init__(self, key: CacheKey):
+        self.key = key
         self.future: Future = Future()  # CompiledGrammar, or GrammarRejected
         self.waiters = 0
 
+    @property
+    def text(self) -> str:
+        return self.key[1]
+
 
 class GrammarCache:
-    """Compiled grammars by grammar text: finished ones (LRU, at most ``max_entries``;
+    """Compiled grammars by (partition, grammar text): finished ones (LRU, at most ``max_entries``;
     refusals are kept too, so a bad grammar is not compiled again) and those in flight.
 
     A compile runs once however many requests ask for it at the same time.  Each
@@ -164,29 +174,31 @@ class GrammarCache:
         self._build = build
         self.max_entries = max_entries
         self._lock = threading.Lock()
-        self._done: OrderedDict[str, CompiledGrammar | str] = OrderedDict()  # str: why it was refused
-        self._running: dict[str, _Compile] = {}
+        self._done: OrderedDict[CacheKey, CompiledGrammar | str] = OrderedDict()  # str: why it was refused
+        self._running: dict[CacheKey, _Compile] = {}
         self.num_compiles = 0  # compiles started
 
     def __len__(self) -> int:
         return len(self._done)
 
-    def join(self, text: str, executor: Executor | None) -> _Compile:
-        """The compile of ``text``: from the cache, the one in flight, or a new one started
-        in ``executor`` (None: run here, in the calling thread, before returning)."""
+    def join(self, text: str, executor: Executor | None, partition: str | None = None) -> _Compile:
+        """The compile of ``text`` for requests of ``partition``: from the cache, the one in
+        flight, or a new one started in ``executor`` (None: run here, in the calling thread,
+        before returning).  Only requests of the same partition share a compile."""
+        key = (partition, text)
         with self._lock:
-            hit = self._done.get(text)
-            job = self._running.get(text)
+            hit = self._done.get(key)
+            job = self._running.get(key)
             start = hit is None and job is None
             if hit is not None:
-                self._done.move_to_end(text)
-                job = _Compile(text)
+                self._done.move_to_end(key)
+                job = _Compile(key)
                 if isinstance(hit, str):
                     job.future.set_exception(GrammarRejected(hit))
                 else:
                     job.future.set_result(hit)
             elif job is None:
-                job = self._running[text] = _Compile(text)
+                job = self._running[key] = _Compile(key)
             job.waiters += 1
         if start:
             if executor is None:
@@ -204,12 +216,12 @@ class GrammarCache:
         with self._lock:
             job.waiters -= 1
             if job.waiters == 0 and job.future.cancel():  # never started: nobody wants it now
-                if self._running.get(job.text) is job:
-                    del self._running[job.text]
+                if self._running.get(job.key) is job:
+                    del self._running[job.key]
 
-    def get(self, text: str) -> CompiledGrammar:
-        """Compile (or find) ``text`` in this thread; raises GrammarRejected."""
-        job = self.join(text, None)
+    def get(self, text: str, partition: str | None = None) -> CompiledGrammar:
+        """Compile (or find) ``text`` of ``partition`` in this thread; raises GrammarRejected."""
+        job = self.join(text, None, partition)
         try:
             return job.future.result()
         finally:
@@ -217,8 +229,8 @@ class GrammarCache:
 
     def _forget(self, job: _Compile) -> None:
         with self._lock:
-            if self._running.get(job.text) is job:
-                del self._running[job.text]
+            if self._running.get(job.key) is job:
+                del self._running[job.key]
 
     def _run(self, job: _Compile) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -234,10 +246,10 @@ class GrammarCache:
             job.future.set_exception(e)
             return
         with self._lock:
-            if self._running.get(job.text) is job:
-                del self._running[job.text]
+            if self._running.get(job.key) is job:
+                del self._running[job.key]
             if job.waiters > 0:  # a compile every waiter gave up on is not kept
-                self._done[job.text] = str(result) if isinstance(result, GrammarRejected) else result
+                self._done[job.key] = str(result) if isinstance(result, GrammarRejected) else result
                 while len(self._done) > self.max_entries:
                     self._done.popitem(last=False)
         if isinstance(result, GrammarRejected):
@@ -270,7 +282,7 @@ class GrammarBackend:
 
     @staticmethod
     def text(so: StructuredOutputsParams, max_chars: int) -> str:
-        """The grammar text of ``so`` (the cache key); InvalidRequestError naming the field
+        """The grammar text of ``so`` (with the partition, the cache key); InvalidRequestError naming the field
         when it is bad or longer than ``max_chars``."""
         text = grammar_text(so)
         if len(text) > max_chars:
@@ -297,19 +309,21 @@ class GrammarBackend:
             raise GrammarRejected("allows no output at all")
         return CompiledGrammar(m, self.words, self._eos)
 
-    def compile(self, so: StructuredOutputsParams, max_chars: int) -> CompiledGrammar:
-        """Compile ``so`` in this thread, through the cache (the offline engine);
-        InvalidRequestError naming the field if it is bad."""
+    def compile(self, so: StructuredOutputsParams, max_chars: int, partition: str | None = None) -> CompiledGrammar:
+        """Compile ``so`` in this thread, through ``partition``'s part of the cache (the
+        offline engine); InvalidRequestError naming the field if it is bad."""
         try:
-            return self.cache.get(self.text(so, max_chars))
+            return self.cache.get(self.text(so, max_chars), partition)
         except GrammarRejected as e:
             raise InvalidRequestError(grammar_field(so), str(e)) from None
 
-    async def compile_async(self, text: str, field: str, executor: Executor, timeout_s: float) -> CompiledGrammar:
-        """Compile ``text`` in ``executor``, through the cache, waiting at most ``timeout_s``.
+    async def compile_async(self, text: str, field: str, executor: Executor, timeout_s: float,
+                            partition: str | None = None) -> CompiledGrammar:  # fmt: skip
+        """Compile ``text`` in ``executor``, through ``partition``'s part of the cache, waiting
+        at most ``timeout_s``.
         InvalidRequestError naming ``field`` if it is bad or the wait runs out.  A cancelled
         wait leaves the compile: dropped if it has not started and nobody else waits."""
-        job = self.cache.join(text, executor)
+        job = self.cache.join(text, executor, partition)
         waiting = asyncio.wrap_future(job.future)
         waiting.add_done_callback(_retrieve)
         try:

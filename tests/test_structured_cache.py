@@ -60,7 +60,7 @@ def test_concurrent_requests_for_one_grammar_share_one_compile():
     for t in threads[1:]:
         t.start()
     # Every later request joins the compile in flight (waiters are counted under the lock).
-    assert _until(lambda: cache._running["g"].waiters == 8)
+    assert _until(lambda: cache._running[(None, "g")].waiters == 8)
     compiler.release()
     for t in threads:
         t.join(SAFETY_S)
@@ -138,7 +138,7 @@ def test_an_async_wait_past_its_budget_is_invalid_naming_the_field_and_leaves_th
                 # held until after the wait: the budget always runs out first
                 await backend.compile_async("slow", "regex", pool, 0.05)
             assert e.value.field == "regex" and "grammar_compile_timeout_s" in str(e.value)
-            assert backend.cache._running["slow"].waiters == 0
+            assert backend.cache._running[(None, "slow")].waiters == 0
             compiler.release()
         return len(backend.cache)
 
@@ -168,7 +168,7 @@ def test_a_cancelled_async_wait_drops_a_compile_that_has_not_started():
             first = backend.cache.join("first", pool)
             assert await asyncio.to_thread(compiler.started["first"].wait, SAFETY_S)
             waiting = asyncio.create_task(backend.compile_async("second", "regex", pool, SAFETY_S))
-            while "second" not in backend.cache._running:
+            while (None, "second") not in backend.cache._running:
                 await asyncio.sleep(0.001)
             waiting.cancel()  # the request is aborted while its compile waits for a thread
             with pytest.raises(asyncio.CancelledError):
@@ -190,3 +190,28 @@ def test_bad_grammar_server_keys_are_refused_naming_the_key(override):
     with pytest.raises(ConfigError) as e:
         compose_config([override])
     assert str(e.value).startswith(override.split("=")[0] + ":")
+
+
+def test_partitions_never_share_a_compile_or_a_cached_grammar():
+    """The cache is keyed by the request's partition (tenant + cache_salt) as the prefix
+    cache is: another partition's identical grammar is compiled again (a hit would answer
+    in a fraction of a fresh compile's time and tell one tenant what another sent); the same
+    partition's repeat is a hit; an in-flight compile is shared only within its partition."""
+    compiler = Compiler("g")
+    cache = GrammarCache(compiler)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        a1 = cache.join("g", pool, "tenant-a")
+        assert compiler.started["g"].wait(SAFETY_S)
+        a2 = cache.join("g", pool, "tenant-a")  # waits on a1's compile
+        b = cache.join("g", pool, "tenant-b")  # its own compile
+        assert a2 is a1 and b is not a1
+        compiler.release()
+        results = [j.future.result(SAFETY_S) for j in (a1, a2, b)]
+        for j in (a1, a2, b):
+            cache.leave(j)
+    assert results[0] is results[1] and results[2] is not results[0]
+    assert compiler.calls == ["g", "g"]
+    assert cache.get("g", "tenant-a") is results[0] and cache.get("g", "tenant-b") is results[2]
+    assert compiler.calls == ["g", "g"]  # each partition's repeat hits its own entry
+    cache.get("g")  # the common partition (no key, no salt) is a partition of its own
+    assert compiler.calls == ["g", "g", "g"]

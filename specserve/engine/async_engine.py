@@ -101,6 +101,10 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def output_room(self, prompt_tokens: int) -> int:
+        """The most tokens a request with this many prompt tokens may ask for (``LLMEngine.output_room``)."""
+        return self.engine.output_room(prompt_tokens)
+
     @property
     def grammar_backend(self):
         """The engine's grammar compiler and cache (``specserve.structured``): callers compile
@@ -119,6 +123,7 @@ class AsyncEngine:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             self._counter += 1
             internal = f"{request_id}#{self._counter}"
+            prompt_token_ids = params.truncate_prompt(list(prompt_token_ids), self.engine.max_model_len)
             self.engine.validate_request(internal, prompt_token_ids, params)
             if self.num_waiting >= self.max_queue:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")

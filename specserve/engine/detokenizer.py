@@ -23,7 +23,17 @@ are then held back, so a run of genuine U+FFFD costs no more than other text.
 With stop strings, the last len(longest stop) - 1 characters are held back
 until the request finishes, so a client never sees part of a stop string; the
 stop string completed first (as if tokens arrived one character at a time)
-wins, and the text is cut before it.
+wins, and the text is cut before it (after it with ``include_stop``, vLLM's
+``include_stop_str_in_output``: then nothing is held back, as in vLLM).
+
+``skip_special_tokens`` False (vLLM's field) keeps special tokens' text;
+``spaces_between_special_tokens`` False then joins adjacent special tokens with
+nothing between them, whatever the tokenizer's decoder puts there.
+
+:class:`TokenChars` counts the characters each token ends at, from the tokens'
+bytes and in O(new tokens): the output processor holds a token back until the
+text through it has been emitted, so a token (and its log-probability) never
+reaches a client before its text, and one that a stop string cuts never does.
 """
 
 from __future__ import annotations
@@ -42,9 +52,15 @@ _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece byte-fallback t
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: list[str], include_stop: bool = False,
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):  # fmt: skip
         self.tok = tokenizer
-        self.bytes = token_bytes(tokenizer)  # None: judge unfinished text from the decoded text
+        self.skip_special = skip_special_tokens
+        # None: judge unfinished text from the decoded text
+        self.bytes = token_bytes(tokenizer, skip_special_tokens)
+        self._joined = None  # special token ids decoded apart (spaces_between_special_tokens False)
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            self._joined = special_token_ids(tokenizer) or None
         self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix = 0
         self.read = len(self.ids)
@@ -52,19 +68,41 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded text (cut at a stop string)
         self.emitted = 0  # characters of self.text already returned
         self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.include_stop = include_stop
+        self.lookback = max((len(s) for s in stop), default=1) - 1  # a stop string may start this far back
+        self.hold = 0 if include_stop else self.lookback  # characters not emitted before the end
+        self.stopped = False  # a stop string cut the text: it is final
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` under this request's special-token settings."""
+        if self.skip_special:
+            return self.tok.decode(ids)
+        if self._joined is None:
+            return self.tok.decode(ids, skip_special_tokens=False)
+        # A special token after a special token starts a new piece: no separator between them.
+        out, start = [], 0
+        for j in range(1, len(ids)):
+            if ids[j] in self._joined and ids[j - 1] in self._joined:
+                out.append(self.tok.decode(ids[start:j], skip_special_tokens=False))
+                start = j
+        out.append(self.tok.decode(ids[start:], skip_special_tokens=False))
+        return "".join(out)
 
     def append(self, new_ids: list[int], final: bool = False) -> tuple[str, bool]:
         """Add tokens; return (text delta to emit, whether a stop string matched).
 
         On a stop match the text is cut before the stop string and everything
-        before it is flushed; ``final`` flushes undecoded ids and the held-back tail."""
+        before it is flushed; ``final`` flushes undecoded ids and the held-back tail.
+        After a stop match the text is final: later calls add nothing (an unfinished
+        character held back when the stop string matched is not shown after the cut)."""
+        if self.stopped:
+            return "", True
         self.ids.extend(self.bytes.keep(new_ids) if self.bytes is not None else new_ids)
         stopped = False
         if len(self.ids) > self.read:
-            start = max(0, len(self.text) - self.hold)
+            start = max(0, len(self.text) - self.lookback)
             self.text += self._decode_new(final)
-            stopped = self._cut_at_stop(start)
+            stopped = self.stopped = self._cut_at_stop(start)
         end = len(self.text) if (final or stopped) else max(self.emitted, len(self.text) - self.hold)
         delta = self.text[self.emitted : end]
         self.emitted = end
@@ -83,10 +121,10 @@ class IncrementalDetokenizer:
         if end <= self.read:
             return ""
         if self.seen is None:
-            self.seen = self.tok.decode(self.ids[self.prefix : self.read])
+            self.seen = self.decode(self.ids[self.prefix : self.read])
         seen = self.seen
         if full is None:
-            full = self.tok.decode(self.ids[self.prefix : end])
+            full = self.decode(self.ids[self.prefix : end])
         self._advance(end)
         return full[len(seen) :]
 
@@ -98,7 +136,7 @@ class IncrementalDetokenizer:
         n = len(self.ids)
         floor = max(self.read, n - MAX_INCOMPLETE_BYTES)
         for j in range(n, floor, -1):
-            full = self.tok.decode(self.ids[self.prefix : j])
+            full = self.decode(self.ids[self.prefix : j])
             if not full.endswith(REPLACEMENT):
                 return j, full
         return floor, None
@@ -109,32 +147,93 @@ class IncrementalDetokenizer:
         a decoder that strips the first leading space (SentencePiece) would otherwise strip
         the next token's real space."""
         prefix = self.read
-        seen = self.tok.decode(self.ids[prefix:read])
+        seen = self.decode(self.ids[prefix:read])
         lowest = max(0, prefix - CONTEXT_TOKENS)
         while not seen and prefix > lowest:
             prefix -= 1
-            seen = self.tok.decode(self.ids[prefix:read])
+            seen = self.decode(self.ids[prefix:read])
         self.prefix, self.read, self.seen = prefix, read, seen
 
     def _cut_at_stop(self, start: int) -> bool:
         """Cut ``text`` before the stop string that is COMPLETED first (smallest end; at a
-        tie the longest), searching matches that start at or after ``start``.  Ranking by
-        end, not start, makes the cut independent of how many tokens a step delivers."""
-        cut = find_stop(self.text, self.stop, start)
-        if cut is None:
+        tie the longest), or after it with ``include_stop``, searching matches that start at
+        or after ``start``.  Ranking by end, not start, makes the cut independent of how
+        many tokens a step delivers."""
+        match = find_stop(self.text, self.stop, start)
+        if match is None:
             return False
-        self.text = self.text[:cut]
+        self.text = self.text[: match[1] if self.include_stop else match[0]]
         return True
 
 
-def find_stop(text: str, stop: list[str], start: int = 0) -> int | None:
-    """Where ``text`` is cut by the first-completed stop string, or None."""
+def find_stop(text: str, stop: list[str], start: int = 0) -> tuple[int, int] | None:
+    """(start, end) in ``text`` of the first-completed stop string, or None."""
     best: tuple[int, int] | None = None  # (end, start) of the winning match
     for s in stop:
         j = text.find(s, start)
         if j != -1 and (best is None or (j + len(s), j) < best):
             best = (j + len(s), j)
-    return None if best is None else best[1]
+    return None if best is None else (best[1], best[0])
+
+
+class TokenChars:
+    """Where each token's text ends, in characters of the output text; a character made of
+    several tokens' bytes counts on the token that completes it.  The count depends on the
+    tokens only, never on how many a step delivered.
+
+    Where a decode is the tokens' bytes joined (a byte-level vocabulary whose decoder adds
+    nothing between tokens: ``TokenBytes.joined``), a running count through an incremental
+    UTF-8 decoder.  Otherwise (decoders that put spaces between tokens, strip them, or turn
+    each byte of an unfinished character into U+FFFD) what the tokens since the last
+    character boundary add to the decode of the few tokens before them; the token bytes
+    (or, without them, a trailing U+FFFD) tell where a character is unfinished."""
+
+    def __init__(self, detok: IncrementalDetokenizer, prompt_ids: list[int]):
+        self.bytes = detok.bytes
+        self.joined = detok.bytes is not None and detok.bytes.joined
+        self.decode = detok.decode
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        # The window: whole characters' tokens before the last boundary, a few tokens' worth
+        # (a window starting inside a character would decode differently as it grows).
+        tail = list(prompt_ids[-CONTEXT_TOKENS:])
+        while len(tail) > 1 and self.decode(tail).startswith(REPLACEMENT):
+            tail = tail[1:]
+        self._groups: list[list[int]] = [tail] if tail and not self.joined else []
+        self._base = len(self.decode(tail)) if self._groups else 0
+        self._open: list[int] = []  # tokens since the last character boundary
+        self.chars = 0  # characters through the last boundary
+
+    @property
+    def _window(self) -> list[int]:
+        return [t for g in self._groups for t in g]
+
+    def ends(self, ids: list[int]) -> list[int]:
+        """The character offset where the text through each of ``ids`` ends."""
+        return [self._end(t) for t in ids]
+
+    def _end(self, t: int) -> int:
+        if self.joined:
+            self.chars += len(self._utf8.decode(self.bytes(t)))
+            return self.chars  # an unfinished character counts on the token that completes it
+        self._open.append(t)
+        if self.bytes is not None:
+            self._utf8.decode(self.bytes(t))
+            unfinished = bool(self._utf8.getstate()[0])
+            text = None
+        else:
+            text = self.decode(self._window + self._open)
+            unfinished = text.endswith(REPLACEMENT) and len(self._open) <= MAX_INCOMPLETE_BYTES
+        if unfinished:
+            return self.chars
+        if text is None:
+            text = self.decode(self._window + self._open)
+        self.chars += max(0, len(text) - self._base)
+        self._groups.append(self._open)
+        self._open = []
+        while len(self._groups) > 1 and sum(map(len, self._groups[1:])) >= CONTEXT_TOKENS:
+            del self._groups[0]
+        self._base = len(self.decode(self._window))
+        return self.chars
 
 
 # --------------------------------------------------------------------------- token bytes
@@ -167,12 +266,17 @@ class TokenBytes:
     ByteLevel decoder does); a byte-fallback vocabulary spells lone bytes ``<0xE2>``;
     otherwise a token is text.  Special tokens add nothing: the decode skips them."""
 
-    def __init__(self, hf: Any, byte_level: bool, byte_fallback: bool, special: frozenset[int]):
+    def __init__(self, hf: Any, byte_level: bool, byte_fallback: bool, special: frozenset[int],
+                 skip_special: bool = True):  # fmt: skip
         self.hf = hf
         self.byte_level = byte_level
         self.byte_fallback = byte_fallback
-        self.special = special
+        self.special = special if skip_special else frozenset()  # the tokens a decode skips
+        self._names = {} if skip_special else special_names(hf, special)  # kept: their text
         self._cache: dict[int, bytes] = {}
+        # Whether a decode is exactly these bytes joined (then UTF-8 with replacement): a
+        # byte-level decoder alone, no clean-up of spaces, and special tokens skipped.
+        self.joined = False
 
     def __call__(self, token_id: int) -> bytes:
         b = self._cache.get(token_id)
@@ -183,6 +287,8 @@ class TokenBytes:
     def _bytes_of(self, token_id: int) -> bytes:
         if token_id in self.special:
             return b""
+        if token_id in self._names:
+            return self._names[token_id].encode()
         piece = self.hf.convert_ids_to_tokens(token_id)
         if not isinstance(piece, str):  # an id outside the vocabulary: the decode drops it
             return b""
@@ -225,34 +331,51 @@ class TokenBytes:
         return j
 
 
-_TABLES: "weakref.WeakKeyDictionary[Any, TokenBytes | None]" = weakref.WeakKeyDictionary()
+_TABLES: "dict[bool, weakref.WeakKeyDictionary[Any, TokenBytes | None]]" = {
+    True: weakref.WeakKeyDictionary(), False: weakref.WeakKeyDictionary()}  # fmt: skip
 
 
-def token_bytes(tokenizer: Any) -> TokenBytes | None:
-    """The byte table of ``tokenizer`` (shared by all its streams), or None when its
-    token bytes cannot be known (no HF fast tokenizer underneath)."""
+def token_bytes(tokenizer: Any, skip_special_tokens: bool = True) -> TokenBytes | None:
+    """The byte table of ``tokenizer`` (shared by all its streams) for decodes that skip
+    special tokens or keep them, or None when its token bytes cannot be known (no HF fast
+    tokenizer underneath)."""
+    tables = _TABLES[skip_special_tokens]
     try:
-        return _TABLES[tokenizer]
+        return tables[tokenizer]
     except KeyError:
         pass
     except TypeError:  # not weakly referable: a table of its own
-        return _build_table(tokenizer)
-    table = _TABLES[tokenizer] = _build_table(tokenizer)
+        return _build_table(tokenizer, skip_special_tokens)
+    table = tables[tokenizer] = _build_table(tokenizer, skip_special_tokens)
     return table
 
 
-def _build_table(tokenizer: Any) -> TokenBytes | None:
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The special tokens of ``tokenizer`` (those a decode with skip_special_tokens drops)."""
+    hf = getattr(tokenizer, "hf", tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    return frozenset(i for i, t in added.items() if getattr(t, "special", False))
+
+
+def special_names(hf: Any, ids: frozenset[int]) -> dict[int, str]:
+    """The text each special token decodes to when it is kept."""
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    return {i: str(getattr(added[i], "content", "")) for i in ids if i in added}
+
+
+def _build_table(tokenizer: Any, skip_special_tokens: bool = True) -> TokenBytes | None:
     hf = getattr(tokenizer, "hf", tokenizer)
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None or not hasattr(hf, "convert_ids_to_tokens"):
         return None
     try:
         kinds = _decoder_types(backend.decoder)
-        added = getattr(hf, "added_tokens_decoder", {}) or {}
+        special = special_token_ids(hf)
     except (AttributeError, TypeError, ValueError):  # an unusual tokenizer: decide from the text
         return None
-    special = frozenset(i for i, t in added.items() if getattr(t, "special", False))
-    return TokenBytes(hf, "ByteLevel" in kinds, "ByteFallback" in kinds, special)
+    table = TokenBytes(hf, "ByteLevel" in kinds, "ByteFallback" in kinds, special, skip_special_tokens)
+    table.joined = kinds == {"ByteLevel"} and skip_special_tokens and not getattr(hf, "clean_up_tokenization_spaces", False)
+    return table
 
 
 def _decoder_types(decoder: Any) -> set[str]:

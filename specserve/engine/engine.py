@@ -42,7 +42,7 @@ from specserve.kv_blocks import BlockManager
 from specserve.engine.scheduler import ScheduledSeq, Scheduler
 from specserve.engine.sequence import Sequence, Status
 from specserve.engine.stats import RequestFinishedStats, RequestStepStats, StatsListener, StepStats
-from specserve.engine.tokenizer import Tokenizer
+from specserve.engine.tokenizer import Tokenizer, bad_words_token_ids
 from specserve.engine.spec_control import SpecController, tree_depth_choices
 from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeError
 from specserve.generation_defaults import read_defaults
@@ -84,6 +84,7 @@ class ModelInfo:
     # the CPU's fused decoder), after the start-up checks.
     attention_backend: str = "torch"
     rejection_backend: str = "torch"
+    vocab_size: int | None = None  # token ids a request may use: [0, vocab_size)
     # Defaults for fields a request leaves out, from the model's generation_config.json
     # (model.generation_config; specserve.generation_defaults): SamplingParams' names.
     sampling_defaults: dict = field(default_factory=dict)
@@ -219,6 +220,7 @@ class LLMEngine:
             if plan.tensor_parallel else 1,
             attention_backend=self.runner.attention_backend,
             rejection_backend=rejection.used,
+            vocab_size=target.arch.vocab_size,
             sampling_defaults=read_defaults(cfg.model.generation_config, target.hf_dir),
         )
 
@@ -249,16 +251,28 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prediction", f"is {len(pred)} tokens, longer than the model's max_model_len ({self.max_model_len})"
             )
-        need = self.blocks.blocks_for(n + params.max_tokens + self.num_spec_tokens)
-        if need > self.blocks.num_blocks:
+        if params.max_tokens > self.output_room(n):
+            need = self.blocks.blocks_for(n + params.max_tokens + self.num_spec_tokens)
             raise InvalidRequestError(
-                "max_tokens", f"prompt + max_tokens needs {need} KV blocks; the cache holds {self.blocks.num_blocks}"
+                "max_tokens", f"prompt + max_tokens (+ {self.num_spec_tokens} draft slots) needs {need} KV blocks; "
+                f"the cache holds {self.blocks.num_blocks}: at most {max(0, self.output_room(n))} tokens fit",
             )
+
+    def output_room(self, prompt_tokens: int) -> int:
+        """The most tokens a request with a ``prompt_tokens``-token prompt may generate: what
+        max_model_len leaves after the prompt, and what the KV cache holds for one request
+        beside the drafts a step verifies (K: the method's, the prediction drafts', a tree's
+        nodes).  The servers' default max_tokens is this (vLLM's max_model_len - prompt)."""
+        cache = self.blocks.num_blocks * self.blocks.block_size - self.num_spec_tokens
+        return min(self.max_model_len, cache) - prompt_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Admit a request.  Bad input raises InvalidRequestError; any other failure while
         admitting raises RequestFailedError.  Either way nothing of the request remains."""
+        prompt_token_ids = params.truncate_prompt(list(prompt_token_ids), self.max_model_len)
         self.validate_request(request_id, prompt_token_ids, params)
+        if params.bad_words and params.bad_words_token_ids is None:  # offline: the servers tokenize them
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         st: RequestState | None = None
         try:
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
@@ -459,7 +473,7 @@ class LLMEngine:
         so = params.structured_outputs
         compiled = params.compiled_grammar
         if compiled is None:
-            compiled = self.grammar_backend.compile(so, self.cfg.server.grammar_max_chars)
+            compiled = self.grammar_backend.compile(so, self.cfg.server.grammar_max_chars, params.cache_salt)
         return compiled.new_state(grammar_field(so))
 
     def _propose_next(self, scheduled: list[ScheduledSeq], batch: StepBatch, fwd) -> bool:

@@ -50,11 +50,12 @@ def plan_step(
         penal = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
         plan.add(RequestControls(
             row_start=row, num_rows=len(d) + 1, drafts=list(d),
-            output_ids=seq.output_token_ids if penal else (),
+            output_ids=seq.output_token_ids if penal or p.bad_words else (),
             prompt_ids=seq.prompt_token_ids if p.repetition_penalty != 1.0 else (),
             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, min_tokens=p.min_tokens,
             num_output_tokens=seq.num_output_tokens, banned_until_min=banned, bitmask=bitmask,
+            allowed=p.allowed_token_ids, bad_words=p.bad_words_token_ids or (),
         ))  # fmt: skip
         out_drafts.append(d)
     return (None if plan.empty else plan), out_drafts
@@ -83,6 +84,7 @@ def prompt_logprob_lists(logits: Tensor, rows: list[int], next_tokens: list[int]
     lp = torch.log_softmax(logits.float().index_select(0, idx), dim=-1)  # (n, V)
     tok = torch.tensor(next_tokens, dtype=torch.int64, device=logits.device)
     chosen = lp.gather(1, tok[:, None])[:, 0]
+    ranks = ((lp > chosen[:, None]).sum(dim=1) + 1).cpu().numpy()  # vLLM's rank of the prompt token
     if k > 0:
         top_v, top_i = lp.topk(k, dim=-1)
         host = torch.cat([chosen[:, None], top_v], dim=1).cpu().numpy(), top_i.cpu().numpy()
@@ -90,6 +92,7 @@ def prompt_logprob_lists(logits: Tensor, rows: list[int], next_tokens: list[int]
         host = chosen[:, None].cpu().numpy(), np.zeros((len(rows), 0), dtype=np.int64)
     vals, ids = host
     return [
-        TokenLogprob(int(t), float(vals[j, 0]), [(int(i), float(v)) for i, v in zip(ids[j], vals[j, 1:])])
+        TokenLogprob(int(t), float(vals[j, 0]), [(int(i), float(v)) for i, v in zip(ids[j], vals[j, 1:])],
+                     rank=int(ranks[j]))
         for j, t in enumerate(next_tokens)
     ]

@@ -25,7 +25,6 @@ from specserve.errors import InvalidRequestError
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's newer name for the system role: a template that does not know it gets "system".
 DEVELOPER_ROLE, DEVELOPER_FALLBACK = "developer", "system"
-CONTEXT_TOKENS = 5  # prompt tokens decoded before the output (as the detokenizer does)
 
 
 class Tokenizer:
@@ -197,19 +196,17 @@ def _content_spans(text: str, pieces: list[str] | None, contents: list[str]) -> 
     return spans if pos == len(text) else None
 
 
-def covering_token_count(tokenizer: Any, context_ids: list[int], ids: list[int], text: str) -> int:
-    """How many of ``ids`` it takes to spell ``text``, their decoded text (after ``context_ids``)
-    cut short by a stop string: all of them when nothing was cut, else the shortest prefix
-    whose decoding covers ``text``."""
-    ctx = list(context_ids[-CONTEXT_TOKENS:])
-    base = len(tokenizer.decode(ctx))
-
-    def chars(k: int) -> int:
-        return len(tokenizer.decode(ctx + list(ids[:k]))) - base
-
-    k = len(ids)
-    if chars(k) <= len(text):
-        return k
-    while k > 0 and chars(k - 1) >= len(text):
-        k -= 1
-    return k
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenizations of ``bad_words``: each word (leading spaces dropped) as it would
+    start the text, and after a space when that gives a different first token and the same
+    number of tokens (a word of its own then)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            continue
+        out.append(bare)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out

@@ -146,10 +146,38 @@ def missing_path_message(path: str) -> str:
             "model.download=true)")
 
 
+def check_model_path(path: str, need_config: bool = True) -> None:
+    """What ``resolve_hf_dir`` checks of a model path before any conversion or loading (the
+    file or directory exists; ModelLoadError naming it otherwise): ``serve --dry-run`` and
+    start-up ask this before anything slow.  A Hugging Face id still an id here is one that
+    validation let through to be downloaded (``model.download=true``): the loader fetches it."""
+    if path.startswith("embedded:"):
+        embedded_gguf_path(path.split(":", 1)[1])
+        return
+    from specserve.hub import parse_id
+
+    if parse_id(path) is not None:
+        return
+    p = Path(path).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelLoadError(f"model file not found: {p}")
+        return
+    _check_hf_dir(p, path, need_config)
+
+
+def _check_hf_dir(p: Path, path: str, need_config: bool = True) -> None:
+    if not p.is_dir():
+        raise ModelLoadError(missing_path_message(path))
+    if need_config and not (p / "config.json").is_file():
+        raise ModelLoadError(f"{p} has no config.json: not an HF-format model directory")
+
+
 def resolve_hf_dir(path: str, cache_dir: str | None, key: str = "model.path", need_config: bool = True) -> Path:
     """Map a model path (embedded:<name>, x.gguf, a directory or a hub id) to an HF dir
     (``need_config``: it must hold a config.json; a tokenizer's directory need not)."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    check_model_path(path, need_config)
     if path.startswith("embedded:"):
         return convert_gguf(embedded_gguf_path(path.split(":", 1)[1]), cache)
     from specserve.hub import local_dir
@@ -157,13 +185,8 @@ def resolve_hf_dir(path: str, cache_dir: str | None, key: str = "model.path", ne
     snapshot = local_dir(path, key)  # org/name[@revision]: the cached (or fetched) snapshot
     p = snapshot if snapshot is not None else Path(path).expanduser()
     if p.suffix == ".gguf":
-        if not p.is_file():
-            raise ModelLoadError(f"model file not found: {p}")
         return convert_gguf(p, cache)
-    if not p.is_dir():
-        raise ModelLoadError(missing_path_message(path))
-    if need_config and not (p / "config.json").is_file():
-        raise ModelLoadError(f"{p} has no config.json: not an HF-format model directory")
+    _check_hf_dir(p, path, need_config)
     return p
 
 

@@ -15,7 +15,10 @@ and sampled output follows the same processed distribution:
 3. ``logit_bias`` (OpenAI's): a constant added per token id;
 4. ``min_tokens``: while fewer tokens than that have been emitted (j included), EOS
    and the request's stop_token_ids get -inf;
-5. a grammar (``specserve.structured``): tokens the grammar does not allow after
+5. ``allowed_token_ids`` (vLLM's): every other token gets -inf; ``bad_words``
+   (vLLM's, tokenized): a word's last token gets -inf where the output so far ends
+   with its other tokens (a one-token word: always);
+6. a grammar (``specserve.structured``): tokens the grammar does not allow after
    those tokens get -inf.  A draft the grammar refuses at its own position is never
    accepted (the target gives it probability 0), so the caller truncates the drafts
    there: later rows would be read after a token that cannot be emitted.
@@ -74,7 +77,26 @@ class RequestControls:
     min_tokens: int = 0
     num_output_tokens: int = 0  # emitted so far (min_tokens)
     banned_until_min: Sequence[int] = ()  # EOS + stop ids while under min_tokens
+    allowed: Sequence[int] | None = None  # allowed_token_ids: the only tokens that may come
+    bad_words: Sequence[Sequence[int]] = ()  # bad_words, tokenized
     bitmask: np.ndarray | None = None  # (num_rows, W) int32 grammar bitmask, or None
+
+    def bad_word_bans(self) -> list[tuple[int, int]]:
+        """(local row, token) pairs banned by ``bad_words``: row j follows the committed
+        output and d_1..d_j."""
+        out = []
+        if not self.bad_words:
+            return out
+        tail = max(len(w) for w in self.bad_words) - 1  # the output tokens a word can look back on
+        past = list(self.output_ids[len(self.output_ids) - tail :]) if tail else []
+        for j in range(self.num_rows):
+            if j:
+                past.append(self.drafts[j - 1])
+            for word in self.bad_words:
+                n = len(word) - 1
+                if n <= len(past) and (n == 0 or past[len(past) - n :] == list(word[:n])):
+                    out.append((j, word[-1]))
+        return out
 
     @property
     def penalised(self) -> bool:
@@ -164,8 +186,24 @@ class LogitsPlan:
                     if c.num_output_tokens + j < c.min_tokens:
                         xr.extend([first[q] + j] * len(c.banned_until_min))
                         xt.extend(c.banned_until_min)
+            for j, t in c.bad_word_bans():
+                xr.append(first[q] + j)
+                xt.append(t)
         ints.put("xr", np.asarray(xr, dtype=np.int64))
         ints.put("xt", np.asarray(xt, dtype=np.int64))
+
+        limited = [q for q, c in enumerate(reqs) if c.allowed is not None]
+        if limited:  # allowed_token_ids: per limited row, its allowed tokens
+            ints.put("arows", np.concatenate([np.arange(first[q], first[q] + reqs[q].num_rows) for q in limited]))
+            ar, at, base = [], [], 0
+            for q in limited:
+                c = reqs[q]
+                for j in range(c.num_rows):
+                    ar.extend([base + j] * len(c.allowed))
+                    at.extend(c.allowed)
+                base += c.num_rows
+            ints.put("ar", np.asarray(ar, dtype=np.int64))
+            ints.put("at", np.asarray(at, dtype=np.int64))
 
         masked = [q for q, c in enumerate(reqs) if c.bitmask is not None]
         bitmask = None
@@ -198,6 +236,11 @@ class LogitsPlan:
             x.index_put_((it["br"], it["bt"]), ft["bv"], accumulate=True)
         if it["xr"].numel():
             x[it["xr"], it["xt"]] = float("-inf")
+        if limited:
+            arows = it["arows"]
+            keep = torch.zeros(arows.shape[0], V, dtype=torch.bool, device=dev)
+            keep[it["ar"], it["at"]] = True
+            x.index_copy_(0, arows, x.index_select(0, arows).masked_fill(~keep, float("-inf")))
         if bitmask is not None:
             mrows = it["mrows"]
             allowed = unpack_bitmask(bitmask, V)  # (Rm, V) bool

@@ -8,12 +8,13 @@ queueing, health and abort-on-disconnect behave the same on both.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -46,9 +47,24 @@ def printable(text: str, limit: int = 256) -> str:
 
 @dataclass
 class PreparedRequest:
+    """One engine request as a front end hands it to ``Frontend.stream``.
+
+    ``request_id`` is the id the client knows (echoed in replies); ids are a namespace per
+    ``tenant`` (the caller's key digest, None without keys): two tenants may use the same id
+    at once, one tenant may not use an id twice while it is in flight.  ``claim`` False: the
+    caller has claimed the id of the response this request is one choice of
+    (``Frontend.claimed``), and ``request_id`` is that id plus the choice's suffix."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    tenant: str | None = None
+    claim: bool = True
+
+    @property
+    def engine_id(self) -> str:
+        """The id the engine runs it under: unique across tenants (never shown to a client)."""
+        return self.request_id if self.tenant is None else f"{self.tenant[:16]}/{self.request_id}"
 
 
 @dataclass
@@ -75,6 +91,13 @@ class SamplingFields:
     structured_outputs: Any = None  # a StructuredOutputsParams
     cache_salt: Any = None  # the client's cache partition within its tenant (vLLM's field): a string
     speculation: Any = None  # a SpeculationParams (or its dict): the request's own cap on drafts per step
+    # vLLM's output and vocabulary fields (SamplingParams defines them)
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
 
 
 def cache_partition(tenant: str | None, salt: Any) -> str | None:
@@ -87,11 +110,17 @@ def cache_partition(tenant: str | None, salt: Any) -> str | None:
         if len(salt) > MAX_CACHE_SALT_CHARS:
             raise InvalidRequestError("cache_salt", f"is {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
         check_text("cache_salt", salt)
+        if not salt.isprintable():  # like a request id: it names a partition, never carries bytes
+            raise InvalidRequestError("cache_salt", f"must not contain control characters: {printable(salt)}")
     if tenant is None and salt is None:
         return None
     # Length-prefixed parts: no (tenant, salt) pair can spell another's input.
     parts = [p.encode("utf-8") for p in (tenant or "", salt or "")]
     return hashlib.sha256(b"".join(len(p).to_bytes(4, "big") + p for p in parts)).hexdigest()
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 class HealthState:
@@ -152,9 +181,9 @@ class Frontend:
         ]
         # Defaults for fields a request leaves out: the model's generation_config.json.
         self.sampling_defaults: dict[str, Any] = dict(getattr(engine.info, "sampling_defaults", None) or {})
-        self._inflight: set[str] = set()
-        self._consumers: dict[str, asyncio.Task] = {}  # request id -> the handler task reading it
-        self._failed: set[str] = set()  # ids whose handler was cancelled by fail_stuck_requests
+        self._inflight: set[tuple[str | None, str]] = set()  # (tenant, request id) claimed
+        self._consumers: dict[str, asyncio.Task] = {}  # engine id -> the handler task reading it
+        self._failed: set[str] = set()  # engine ids whose handler was cancelled by fail_stuck_requests
         self._idle = asyncio.Event()
         self._idle.set()
         # Tokenizing and chat templating run here, never on the event loop both
@@ -184,10 +213,19 @@ class Frontend:
                 f"max_model_len ({limit})",
             )
 
-    async def tokenize_prompt_async(self, prompt: str) -> list[int]:
+    async def tokenize_prompt_async(self, prompt: str, add_special_tokens: bool = True,
+                                    truncate: int | None = None) -> list[int]:  # fmt: skip
+        """A completion prompt's tokens; ``truncate`` (truncate_prompt_tokens) keeps the last
+        ones, so a prompt longer than the context is not refused for its length then."""
         check_text("prompt", prompt)
-        self.check_length_bound("prompt", len(prompt))
-        return await self.run_off_loop(self.tokenize_prompt, prompt)
+        if truncate is None:
+            self.check_length_bound("prompt", len(prompt))
+        ids = await self.run_off_loop(self.tokenize_prompt, prompt, add_special_tokens)
+        return self.truncate(ids, truncate)
+
+    def truncate(self, ids: list[int], truncate: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last ``truncate`` tokens (-1: max_model_len - 1)."""
+        return SamplingParams(truncate_prompt_tokens=truncate).truncate_prompt(ids, self.engine.info.max_model_len)
 
     async def tokenize_prediction_async(self, text: str) -> list[int] | None:
         """Predicted Outputs: the expected output's tokens (no special tokens), or None for ""."""
@@ -197,18 +235,26 @@ class Frontend:
             return None
         return await self.run_off_loop(lambda: list(self.engine.tokenizer.encode(text, add_special_tokens=False)))
 
-    def _check_message_texts(self, messages: list[dict[str, str]]) -> None:
+    def _check_message_texts(self, messages: list[dict[str, str]], bounded: bool = True) -> None:
         chars = 0
         for i, m in enumerate(messages):
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, str):
                 check_text(f"messages[{i}].content", content)
                 chars += len(content)
-        self.check_length_bound("messages", chars)
+        if bounded:
+            self.check_length_bound("messages", chars)
 
-    async def tokenize_messages_async(self, messages: list[dict[str, str]]) -> list[int]:
-        self._check_message_texts(messages)
-        return await self.run_off_loop(self.tokenize_messages, messages)
+    async def tokenize_messages_async(self, messages: list[dict[str, str]], add_special_tokens: bool = False,
+                                      truncate: int | None = None) -> list[int]:  # fmt: skip
+        """A chat prompt's tokens: the template's, plus the tokenizer's own special tokens
+        (e.g. BOS) with ``add_special_tokens`` (vLLM's field; off by default), the last
+        ``truncate`` of them with truncate_prompt_tokens."""
+        self._check_message_texts(messages, bounded=truncate is None)
+        ids = await self.run_off_loop(self.tokenize_messages, messages)
+        if add_special_tokens:
+            ids = self.engine.tokenizer.with_special_tokens(ids)
+        return self.truncate(ids, truncate)
 
     # ------------------------------------------------------------------ /tokenize, /detokenize
 
@@ -260,19 +306,21 @@ class Frontend:
         if requested not in self.served_model_names:
             raise UnknownModelError(requested, self.model_name)  # quotes it with repr: escaped
 
-    def tokenize_prompt(self, prompt: str) -> list[int]:
+    def tokenize_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if prompt == "":
             raise InvalidRequestError("prompt", "must not be empty")
-        ids = list(self.engine.tokenizer.encode(prompt))
+        tok = self.engine.tokenizer
+        ids = list(tok.encode(prompt) if add_special_tokens else tok.encode(prompt, add_special_tokens=False))
         if not ids:
             raise InvalidRequestError("prompt", "must not be empty (it tokenized to no tokens)")
         return ids
 
-    def check_token_ids(self, ids: Any, field: str = "prompt_token_ids") -> list[int]:
+    def check_token_ids(self, ids: Any, field: str = "prompt_token_ids", truncate: int | None = None) -> list[int]:
         if not isinstance(ids, list):
             raise InvalidRequestError(field, "must be a list of integer token ids")
         if not ids:
             raise InvalidRequestError(field, "must not be empty")
+        ids = self.truncate(ids, truncate)
         limit = self.engine.info.max_model_len
         if len(ids) >= limit:  # before looking at millions of ids (named as the engine names it)
             raise InvalidRequestError(
@@ -280,8 +328,9 @@ class Frontend:
             )
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequestError(field, "must be a list of integer token ids")
-        if any(t < 0 for t in ids):
-            raise InvalidRequestError(field, "token ids must be >= 0")
+        vocab = getattr(self.engine.info, "vocab_size", None)
+        if any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
+            raise InvalidRequestError(field, f"token ids must be in [0, {vocab})" if vocab else "token ids must be >= 0")
         return ids
 
     def tokenize_messages(self, messages: list[dict[str, str]]) -> list[int]:
@@ -292,24 +341,28 @@ class Frontend:
         return ids
 
     def output_room(self, prompt_tokens: int) -> int:
-        """The most tokens a request with a ``prompt_tokens``-token prompt may generate: what
-        max_model_len leaves after the prompt, within what the KV cache holds for one request
-        (block count x block size, less the engine's lookahead) and ``server.max_tokens_cap``."""
-        room = self.engine.info.max_model_len - prompt_tokens
-        llm = getattr(self.engine, "engine", None)  # AsyncEngine -> LLMEngine (its KV blocks)
-        blocks = getattr(llm, "blocks", None)
-        if blocks is not None:
-            room = min(room, blocks.num_blocks * blocks.block_size - int(getattr(llm, "k", 0)) - prompt_tokens)
+        """The most tokens a request with a ``prompt_tokens``-token prompt may generate: the
+        engine's answer (what max_model_len leaves after the prompt, within what the KV cache
+        holds for one request beside the drafts it verifies: ``LLMEngine.output_room``),
+        within ``server.max_tokens_cap``."""
+        engine_room = getattr(self.engine, "output_room", None)
+        room = engine_room(prompt_tokens) if engine_room is not None else self.engine.info.max_model_len - prompt_tokens
         if self.cfg.max_tokens_cap is not None:
             room = min(room, self.cfg.max_tokens_cap)
         return room
 
-    def default_max_tokens(self, prompt_tokens: int, completions: bool = False) -> int:
+    def default_max_tokens(self, prompt_tokens: int, completions: bool = False, prompt_field: str = "prompt") -> int:
         """max_tokens for a request that sent none: ``server.default_max_tokens`` when set,
         else 16 on ``/v1/completions`` (OpenAI's and vLLM's default there) and the whole room
         elsewhere (chat, gRPC: vLLM's max_model_len - prompt tokens); always within the room.
-        At least 1, so a prompt with no room left is refused for its length, not for this."""
+        A prompt that leaves no room is refused naming ``prompt_field`` (the client sent no
+        max_tokens to blame)."""
         room = self.output_room(prompt_tokens)
+        if room < 1:
+            raise InvalidRequestError(
+                prompt_field, f"is {prompt_tokens} tokens, which leaves no room for output within the model's "
+                f"max_model_len ({self.engine.info.max_model_len}) and this server's KV cache; shorten it",
+            )
         wanted = self.cfg.default_max_tokens
         if wanted is None:
             wanted = COMPLETIONS_DEFAULT_MAX_TOKENS if completions else room
@@ -318,16 +371,19 @@ class Frontend:
         return max(1, min(wanted, room))
 
     def make_params(self, f: SamplingFields, tenant: str | None = None, prompt_tokens: int = 1,
-                    completions: bool = False) -> SamplingParams:  # fmt: skip
+                    completions: bool = False, prompt_field: str = "prompt") -> SamplingParams:  # fmt: skip
         """Validated parameters; ``tenant`` is the caller's (``ApiKeyChecker.authenticate``).
         ``prompt_tokens`` (the longest prompt's, for several) sizes the default max_tokens."""
         d = self.sampling_defaults  # the model's generation_config.json (model.generation_config)
+        max_tokens = f.max_tokens
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens(prompt_tokens, completions, prompt_field)
         params = SamplingParams(
             temperature=d.get("temperature", 1.0) if f.temperature is None else f.temperature,
             top_p=d.get("top_p", 1.0) if f.top_p is None else f.top_p,
             top_k=d.get("top_k", 0) if f.top_k is None else f.top_k,
             min_p=d.get("min_p", 0.0) if f.min_p is None else f.min_p,
-            max_tokens=self.default_max_tokens(prompt_tokens, completions) if f.max_tokens is None else f.max_tokens,
+            max_tokens=max_tokens,
             seed=f.seed,
             stop=[] if f.stop is None else f.stop,
             stop_token_ids=[] if f.stop_token_ids is None else f.stop_token_ids,
@@ -342,6 +398,12 @@ class Frontend:
             structured_outputs=f.structured_outputs,
             cache_salt=cache_partition(tenant, f.cache_salt),
             speculation=f.speculation,
+            include_stop_str_in_output=_given(f.include_stop_str_in_output, False),
+            skip_special_tokens=_given(f.skip_special_tokens, True),
+            spaces_between_special_tokens=_given(f.spaces_between_special_tokens, True),
+            bad_words=f.bad_words,
+            allowed_token_ids=f.allowed_token_ids,
+            truncate_prompt_tokens=f.truncate_prompt_tokens,
         )
         cap = getattr(self.cfg, "max_logprobs", None)  # server.max_logprobs (vLLM's --max-logprobs)
         for name in ("logprobs", "prompt_logprobs"):
@@ -351,18 +413,60 @@ class Frontend:
                                                 f"most {cap} (server.max_logprobs)")
         return params.validate(self.cfg.max_tokens_cap, max_speculative_tokens=self.engine.info.num_speculative_tokens)
 
+    async def tokenize_bad_words_async(self, params: SamplingParams) -> None:
+        """``params.bad_words`` tokenized as vLLM does (``bad_words_token_ids``), off the loop."""
+        if params.bad_words and params.bad_words_token_ids is None:
+            from specserve.engine.tokenizer import bad_words_token_ids
+
+            tok = self.engine.tokenizer
+            params.bad_words_token_ids = await self.run_off_loop(bad_words_token_ids, tok, params.bad_words)
+
     def speculation_cap(self, params: SamplingParams) -> int:
         """The most drafts per step the request may verify, as its ``spec_decode`` reports it:
         its own ``speculation.num_speculative_tokens``, else the server's K (0 without a method)."""
         cap = params.num_speculative_tokens
         return int(self.engine.info.num_speculative_tokens) if cap is None else cap
 
-    def prepare(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
-        if request_id:  # a client's id reaches logs, metrics and replies: a short printable name only
-            check_name("request_id", request_id)
-            if not request_id.isprintable():
-                raise InvalidRequestError("request_id", f"must not contain control characters: {printable(request_id)}")
-        return PreparedRequest(request_id or f"req-{uuid.uuid4().hex}", prompt_token_ids, params)
+    @staticmethod
+    def check_request_id(request_id: Any) -> str | None:
+        """A client's request id (None or "": the server makes one up).  It reaches logs and
+        replies: a short printable string only."""
+        if request_id is None or request_id == "":
+            return None
+        if not isinstance(request_id, str):
+            raise InvalidRequestError("request_id", f"must be a string, got {type(request_id).__name__}")
+        check_name("request_id", request_id)
+        if not request_id.isprintable():
+            raise InvalidRequestError("request_id", f"must not contain control characters: {printable(request_id)}")
+        return request_id
+
+    def prepare(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                tenant: str | None = None, claim: bool = True) -> PreparedRequest:  # fmt: skip
+        rid = self.check_request_id(request_id) if claim else request_id
+        return PreparedRequest(rid or f"req-{uuid.uuid4().hex}", prompt_token_ids, params, tenant, claim)
+
+    def _claim(self, tenant: str | None, request_id: str) -> tuple[str | None, str]:
+        key = (tenant, request_id)
+        if key in self._inflight:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        self._inflight.add(key)
+        self._idle.clear()
+        return key
+
+    def _unclaim(self, key: tuple[str | None, str]) -> None:
+        self._inflight.discard(key)
+        if not self._inflight:
+            self._idle.set()
+
+    @contextlib.contextmanager
+    def claimed(self, tenant: str | None, request_id: str) -> Iterator[None]:
+        """Hold ``request_id`` in ``tenant``'s namespace (a response of several choices: its
+        choices run as requests with ``claim=False``)."""
+        key = self._claim(tenant, request_id)
+        try:
+            yield
+        finally:
+            self._unclaim(key)
 
     # ------------------------------------------------------------------ admission and stream
 
@@ -384,11 +488,8 @@ class Frontend:
         becomes ``EngineRequestError`` (INTERNAL / 500).
         """
         self.admit()
-        if req.request_id in self._inflight:
-            raise InvalidRequestError("request_id", f"{req.request_id!r} is already in flight")
-        rid = req.request_id
-        self._inflight.add(rid)
-        self._idle.clear()
+        key = self._claim(req.tenant, req.request_id) if req.claim else None
+        rid = req.engine_id
         task = asyncio.current_task()
         if task is not None:
             self._consumers[rid] = task
@@ -410,15 +511,15 @@ class Frontend:
                 raise EngineDeadError("the engine stopped responding; the request was abandoned") from None
             raise
         finally:
-            self._inflight.discard(rid)
             self._consumers.pop(rid, None)
             self._failed.discard(rid)
-            if not self._inflight:
-                self._idle.set()
+            if key is not None:
+                self._unclaim(key)
 
     async def compile_grammar(self, params: SamplingParams) -> SamplingParams:
         """``params`` with its structured output compiled (``compiled_grammar``), in the
-        grammar threads and through the engine's cache, so the engine thread only copies it.
+        grammar threads and through the engine's cache (the request's partition of it: its
+        tenant and cache_salt), so the engine thread only copies it.
         A bad grammar, one over ``grammar_max_chars`` or one still compiling after
         ``grammar_compile_timeout_s`` is an InvalidRequestError naming the field."""
         so = params.structured_outputs
@@ -429,7 +530,7 @@ class Frontend:
 
         text = await self.run_off_loop(backend.text, so, self.cfg.grammar_max_chars)
         compiled = await backend.compile_async(text, grammar_field(so), self._grammar_pool,
-                                               self.cfg.grammar_compile_timeout_s)  # fmt: skip
+                                               self.cfg.grammar_compile_timeout_s, params.cache_salt)  # fmt: skip
         return dataclasses.replace(params, compiled_grammar=compiled)
 
     def fail_stuck_requests(self) -> int:

@@ -8,7 +8,8 @@ Requests are parsed by the handlers, not by gRPC: bytes that are not a valid
 message are INVALID_ARGUMENT naming ``request`` (gRPC's own parsing would
 answer UNKNOWN).  When a stop string cuts the text, ``token_ids`` and
 ``usage.completion_tokens`` end with the tokens that spell it: those generated
-past it in the same step are dropped.
+past it in the same step are dropped, and a stream never sends them (its
+token ids and log-probabilities come with their text: ``engine.output``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specserve.engine.tokenizer import covering_token_count
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.request import FinishReason, RequestOutput, SpeculationParams, StructuredOutputsParams
 from specserve.sampling.logits_controls import LOGPROB_FLOOR
@@ -106,6 +106,13 @@ def sampling_fields(sp: pb.SamplingParams) -> SamplingFields:
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         speculation=_speculation(sp),
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else None,
+        spaces_between_special_tokens=(sp.spaces_between_special_tokens
+                                       if sp.HasField("spaces_between_special_tokens") else None),  # fmt: skip
+        bad_words=list(sp.bad_words) or None,
+        allowed_token_ids=list(sp.allowed_token_ids) or None,
+        truncate_prompt_tokens=sp.truncate_prompt_tokens if sp.HasField("truncate_prompt_tokens") else None,
     )
 
 
@@ -154,13 +161,6 @@ def _add_servicer(servicer: "SpecServeServicer", server: grpc.aio.Server) -> Non
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     if hasattr(server, "add_registered_method_handlers"):
         server.add_registered_method_handlers(service.full_name, handlers)
-
-
-def _returned(fe: Frontend, req: PreparedRequest, out: RequestOutput) -> int:
-    """The completion tokens that spell the returned text (a stop string's cut drops the rest)."""
-    if out.finished and out.finish_reason is FinishReason.STOP and req.params.stop:
-        return covering_token_count(fe.engine.tokenizer, req.prompt_token_ids, out.token_ids, out.text)
-    return len(out.token_ids)
 
 
 def _response(
@@ -223,21 +223,29 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
         fe = self.fe
         request = _parsed(request)
         fe.check_model(request.model)
-        which = request.WhichOneof("input")
-        if which == "prompt":
-            ids = await fe.tokenize_prompt_async(request.prompt)
-        elif which == "prompt_token_ids":
-            ids = fe.check_token_ids(list(request.prompt_token_ids.ids))
-        elif which == "messages":
-            msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            ids = await fe.tokenize_messages_async(msgs)
-        else:
-            raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
         fields = sampling_fields(request.sampling_params)
         fields.cache_salt = request.cache_salt if request.HasField("cache_salt") else None
-        params = fe.make_params(fields, self._tenant(context), len(ids))  # a default max_tokens fits the prompt
+        trunc = fields.truncate_prompt_tokens
+        if trunc is not None and trunc < 1 and trunc != -1:
+            raise InvalidRequestError("truncate_prompt_tokens", f"must be >= 1, or -1 for max_model_len, got {trunc}")
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else None
+        which = request.WhichOneof("input")
+        field = "prompt"
+        if which == "prompt":
+            ids = await fe.tokenize_prompt_async(request.prompt, add is not False, trunc)
+        elif which == "prompt_token_ids":
+            ids = fe.check_token_ids(list(request.prompt_token_ids.ids), truncate=trunc)
+        elif which == "messages":
+            msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            ids = await fe.tokenize_messages_async(msgs, add is True, trunc)
+            field = "messages"
+        else:
+            raise InvalidRequestError("prompt", "one of prompt, prompt_token_ids or messages is required")
+        tenant = self._tenant(context)
+        params = fe.make_params(fields, tenant, len(ids), prompt_field=field)  # a default max_tokens fits the prompt
         params.prediction_token_ids = await fe.tokenize_prediction_async(request.prediction)
-        return fe.prepare(request.request_id, ids, params)
+        await fe.tokenize_bad_words_async(params)
+        return fe.prepare(request.request_id, ids, params, tenant)
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         kind = classify(exc)
@@ -259,11 +267,11 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
                         last = out
                         prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
             assert last is not None and last.finished, "the engine ended a stream without a final output"
-            n = _returned(self.fe, req, last)
-            msg = _response(req.request_id, last.text, list(last.token_ids[:n]), last, n,
+            n = len(last.token_ids)
+            msg = _response(req.request_id, last.text, list(last.token_ids), last, n,
                             self.fe.speculation_cap(req.params))
             tok = self.fe.engine.tokenizer
-            msg.logprobs.extend(_logprob_msgs(tok, (last.logprobs or [])[:n]))
+            msg.logprobs.extend(_logprob_msgs(tok, last.logprobs))
             msg.prompt_logprobs.extend(_logprob_msgs(tok, prompt_lps))
             return msg
         except Exception as exc:  # mapped to a status by the errors table
@@ -275,14 +283,12 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             req = await self._prepare(request, context)
             async with _deadline(context):
                 async with aclosing(self.fe.stream(req)) as outputs:
-                    async for out in outputs:
+                    async for out in outputs:  # tokens come with their text (engine.output)
                         if out.new_token_ids or out.new_text or out.finished:
-                            n = _returned(self.fe, req, out)
-                            keep = max(0, len(out.new_token_ids) - (len(out.token_ids) - n))  # none past a stop
-                            msg = _response(req.request_id, out.new_text, list(out.new_token_ids[:keep]), out, n,
-                                            self.fe.speculation_cap(req.params))
+                            msg = _response(req.request_id, out.new_text, list(out.new_token_ids), out,
+                                            len(out.token_ids), self.fe.speculation_cap(req.params))
                             tok = self.fe.engine.tokenizer
-                            msg.logprobs.extend(_logprob_msgs(tok, (out.new_logprobs or [])[:keep]))
+                            msg.logprobs.extend(_logprob_msgs(tok, out.new_logprobs))
                             msg.prompt_logprobs.extend(_logprob_msgs(tok, out.prompt_logprobs))
                             await context.write(msg)
         except Exception as exc:

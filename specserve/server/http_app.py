@@ -44,6 +44,7 @@ from specserve.server.errors import INTERNAL, classify, openai_error_body
 from specserve.server.frontend import Frontend, SamplingFields, printable
 from specserve.server.openai_features import Features, completion_prompts, parse_features, serve_choices
 from specserve.server.request_fields import IGNORED_FIELDS_HEADER, UnknownFields, header_value
+from specserve.server.vllm_fields import VllmFields, parse_vllm_fields
 
 log = logging.getLogger("specserve.server.http")
 
@@ -149,12 +150,15 @@ def _sampling_fields(body: dict[str, Any]) -> tuple[SamplingFields, str]:
 
 
 def _params(fe: Frontend, body: dict[str, Any], features: Features | None = None, tenant: str | None = None,
-            prompts: Sequence[list[int]] = (), completions: bool = False):  # fmt: skip
+            prompts: Sequence[list[int]] = (), completions: bool = False, vllm: VllmFields | None = None):  # fmt: skip
     fields, max_key = _sampling_fields(body)
     if features is not None:
         fields = dataclasses.replace(fields, **features.fields)
+    if vllm is not None:
+        fields = dataclasses.replace(fields, **vllm.fields)
     try:  # a default max_tokens fits the longest prompt
-        return fe.make_params(fields, tenant, max(map(len, prompts), default=1), completions)
+        return fe.make_params(fields, tenant, max(map(len, prompts), default=1), completions,
+                              "prompt" if completions else "messages")  # fmt: skip
     except InvalidRequestError as exc:
         if exc.field == "max_tokens" and max_key != "max_tokens":  # name the field the client sent
             raise InvalidRequestError(max_key, str(exc).split(": ", 1)[1]) from None
@@ -215,6 +219,11 @@ def _unknown_fields(request: web.Request, body: dict[str, Any], chat: bool) -> N
         request[IGNORED_KEY] = ignored
 
 
+def _vllm_fields(request: web.Request, body: dict[str, Any], chat: bool, stream: bool) -> VllmFields:
+    header = request.headers.get("X-Request-Id")
+    return parse_vllm_fields(body, chat, stream, header)
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND_KEY]
     body = await _read_json(request)
@@ -222,10 +231,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fe.check_model(body.get("model"))
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=False)
-    prompts, texts = await completion_prompts(fe, body)
-    params = _params(fe, body, features, request.get(TENANT_KEY), prompts, completions=True)
+    vllm = _vllm_fields(request, body, False, stream)
+    tenant = request.get(TENANT_KEY)
+    prompts, texts = await completion_prompts(fe, body, vllm.add_special_tokens, vllm.truncate_prompt_tokens)
+    params = _params(fe, body, features, tenant, prompts, completions=True, vllm=vllm)
     params.prediction_token_ids = await _prediction(fe, body)
-    return await serve_choices(request, fe, False, prompts, texts, params, features, stream, include_usage)
+    await fe.tokenize_bad_words_async(params)
+    return await serve_choices(request, fe, False, prompts, texts, params, features, stream, include_usage,
+                               tenant, vllm.request_id, vllm.prompt_logprobs)  # fmt: skip
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -235,10 +248,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe.check_model(body.get("model"))
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=True)
-    ids = await fe.tokenize_messages_async(_chat_messages(body))
-    params = _params(fe, body, features, request.get(TENANT_KEY), [ids])
+    vllm = _vllm_fields(request, body, True, stream)
+    tenant = request.get(TENANT_KEY)
+    ids = await fe.tokenize_messages_async(_chat_messages(body), vllm.add_special_tokens, vllm.truncate_prompt_tokens)
+    params = _params(fe, body, features, tenant, [ids], vllm=vllm)
     params.prediction_token_ids = await _prediction(fe, body)
-    return await serve_choices(request, fe, True, [ids], [None], params, features, stream, include_usage)
+    await fe.tokenize_bad_words_async(params)
+    return await serve_choices(request, fe, True, [ids], [None], params, features, stream, include_usage,
+                               tenant, vllm.request_id, vllm.prompt_logprobs)  # fmt: skip
 
 
 def _model_card(fe: Frontend) -> dict[str, Any]:

@@ -27,6 +27,7 @@ before temperature and top-k/top-p (``specserve.sampling.logits_controls``);
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -39,12 +40,10 @@ from typing import Any
 
 from aiohttp import web
 
-from specserve.engine.tokenizer import covering_token_count
 from specserve.errors import InvalidRequestError
 from specserve.request import (
     MAX_LOGPROBS,
     SEED_MAX,
-    FinishReason,
     RequestOutput,
     SamplingParams,
     SpeculationParams,
@@ -163,28 +162,38 @@ def parse_features(body: dict, chat: bool) -> Features:
     return f
 
 
-async def completion_prompts(fe: Any, body: dict) -> tuple[list[list[int]], list[str | None]]:
+async def completion_prompts(fe: Any, body: dict, add_special_tokens: bool = True,
+                             truncate: int | None = None) -> tuple[list[list[int]], list[str | None]]:  # fmt: skip
     """The prompts of a completions request (a string, token ids, or a list of either) and
-    their texts (None where given as ids)."""
+    their texts (None where given as ids); vLLM's ``add_special_tokens`` and
+    ``truncate_prompt_tokens`` applied (a truncated prompt's text is its tokens' decode)."""
     if "prompt" not in body or body["prompt"] is None:
         raise InvalidRequestError("prompt", "is required")
     prompt = body["prompt"]
+
+    async def text(p: str) -> list[int]:
+        return await fe.tokenize_prompt_async(p, add_special_tokens, truncate)
+
+    def shown(p: str, ids: list[int]) -> str | None:
+        return p if truncate is None else None  # echo shows the tokens used
+
     if isinstance(prompt, str):
-        return [await fe.tokenize_prompt_async(prompt)], [prompt]
+        ids = await text(prompt)
+        return [ids], [shown(prompt, ids)]
     if isinstance(prompt, list):
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [fe.check_token_ids(prompt, field="prompt")], [None]
+            return [fe.check_token_ids(prompt, field="prompt", truncate=truncate)], [None]
         if len(prompt) > MAX_PROMPTS:
             raise InvalidRequestError("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
         ids, texts = [], []
         for i, p in enumerate(prompt):
             if isinstance(p, str):
-                ids.append(await fe.tokenize_prompt_async(p))
-                texts.append(p)
+                ids.append(await text(p))
+                texts.append(shown(p, ids[-1]))
             elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                ids.append(fe.check_token_ids(p, field=f"prompt[{i}]"))
+                ids.append(fe.check_token_ids(p, field=f"prompt[{i}]", truncate=truncate))
                 texts.append(None)
             else:
                 raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list of either")
@@ -270,8 +279,7 @@ class _Job:
     last: RequestOutput | None = None
     prompt_lps: list | None = None  # echo: the prompt's log-probabilities, when they arrive
     sent_echo: bool = False
-    sent_tokens: int = 0  # completion tokens streamed so far
-    returned: int | None = None  # completion tokens the client gets (known at the end)
+    sent_prompt_lps: bool = False
 
     def record(self, out: RequestOutput) -> None:
         self.last = out
@@ -283,7 +291,11 @@ def _child_seed(seed: int, i: int) -> int:
     return seed + i if seed + i <= SEED_MAX else seed - i
 
 
-def _jobs(fe: Any, response_id: str, prompts: list[list[int]], params: SamplingParams, f: Features) -> list[_Job]:
+def _jobs(fe: Any, request_id: str, tenant: str | None, prompts: list[list[int]], params: SamplingParams,
+          f: Features) -> list[_Job]:  # fmt: skip
+    """One engine request per choice (and best_of candidate).  A lone one runs under the
+    response's request id; several run under it plus their prompt and copy numbers, with
+    the response's id claimed by the caller (``Frontend.claimed``)."""
     per = f.best_of
     single = len(prompts) == 1 and per == 1
     jobs = []
@@ -295,9 +307,9 @@ def _jobs(fe: Any, response_id: str, prompts: list[list[int]], params: SamplingP
             if per > f.n and sp.logprobs is None:
                 sp.logprobs = 0  # best_of ranks by cumulative log-probability
             if f.echo and f.logprobs is not None:
-                sp.prompt_logprobs = f.logprobs
-            rid = response_id if single else f"{response_id}-{p}-{c}"
-            jobs.append(_Job(p * per + c, p, fe.prepare(rid, ids, sp)))
+                sp.prompt_logprobs = max(f.logprobs, sp.prompt_logprobs or 0)
+            rid = request_id if single else f"{request_id}-{p}-{c}"
+            jobs.append(_Job(p * per + c, p, fe.prepare(rid, ids, sp, tenant, claim=single)))
     return jobs
 
 
@@ -369,10 +381,12 @@ class Shaper:
     of choices."""
 
     def __init__(self, chat: bool, fe: Any, f: Features, texts: list[str | None], prompts: list[list[int]],
-                 spec_cap: int = 0):  # fmt: skip
+                 spec_cap: int = 0, request_id: str | None = None, prompt_logprobs: int | None = None):  # fmt: skip
         self.chat, self.f, self.texts, self.prompts = chat, f, texts, prompts
         self.spec_cap = spec_cap  # spec_decode.num_speculative_tokens: every choice shares it
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.request_id = request_id or uuid.uuid4().hex  # the client's, or one made up
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{self.request_id}"
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs: shown with k alternatives
         self.model = fe.model_name
         self.created = int(time.time())
         self.tok = fe.engine.tokenizer
@@ -402,7 +416,28 @@ class Shaper:
         body = self._envelope("chat.completion" if self.chat else "text_completion")
         body.update(choices=choices, usage=self.usage(jobs),
                     spec_decode=_spec_decode([j.last for j in jobs], self.spec_cap))
+        if self.chat and self.prompt_logprobs is not None:  # vLLM: one list, at the top of a chat response
+            body["prompt_logprobs"] = self._prompt_logprobs(jobs[0])
         return body
+
+    def _prompt_logprobs(self, job: _Job) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first) a map of token id
+        -> {logprob, rank, decoded_token}: the prompt's token and the k most likely."""
+        if self.prompt_logprobs is None:
+            return None
+        k = self.prompt_logprobs
+        out: list[dict[str, Any] | None] = []
+        for e in job.prompt_lps or []:
+            if e is None:
+                out.append(None)
+                continue
+            entry = {str(t): {"logprob": _lp(v), "rank": r, "decoded_token": self.tt(t)[0]}
+                     for r, (t, v) in enumerate(e.top[:k], start=1)}  # fmt: skip
+            if str(e.token_id) not in entry:
+                entry[str(e.token_id)] = {"logprob": _lp(e.logprob), "rank": e.rank,
+                                          "decoded_token": self.tt(e.token_id)[0]}  # fmt: skip
+            out.append(entry)
+        return out
 
     def chunk(self, job: _Job, out: RequestOutput | None, include_usage: bool) -> dict[str, Any]:
         """A stream chunk for one choice; ``out=None`` is the chat role preamble."""
@@ -421,9 +456,10 @@ class Shaper:
 
     def usage(self, jobs: list[_Job]) -> dict[str, Any]:
         """Prompt tokens once per prompt; completion tokens as returned (after a stop string's
-        cut), over every choice (and every best_of candidate: all were generated)."""
+        cut: the output's ``token_ids``), over every choice (and every best_of candidate: all
+        were generated)."""
         prompt = sum({j.prompt: j.last.num_prompt_tokens for j in jobs}.values())
-        completion = sum(self.returned(j) for j in jobs)
+        completion = sum(len(j.last.token_ids) for j in jobs)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -433,17 +469,6 @@ class Shaper:
                 "rejected_prediction_tokens": sum(j.last.spec.num_rejected_prediction_tokens for j in jobs),
             },
         }
-
-    def returned(self, job: _Job) -> int:
-        """The finished job's completion tokens the client gets: a stop string's cut drops
-        the tokens generated past it (they arrive in the same step as the stop string)."""
-        if job.returned is None:
-            out = job.last
-            n = len(out.token_ids)
-            if out.finish_reason is FinishReason.STOP and job.req.params.stop:
-                n = covering_token_count(self.tok, job.req.prompt_token_ids, out.token_ids, out.text)
-            job.returned = n
-        return job.returned
 
     # ---------------------------------------------------------------- choices
 
@@ -465,19 +490,15 @@ class Shaper:
 
     def _full_choice(self, index: int, job: _Job) -> dict[str, Any]:
         out = job.last
-        lps = self._logprobs(job, (out.logprobs or [])[: self.returned(job)], self.f.echo)
+        lps = self._logprobs(job, out.logprobs or [], self.f.echo)
         if self.chat:
             message = {"role": "assistant", "content": out.text}
             return {"index": index, "message": message, "logprobs": lps, "finish_reason": _finish(out)}
         text = (self._prompt_text(job.prompt) + out.text) if self.f.echo else out.text
-        return {"index": index, "text": text, "logprobs": lps, "finish_reason": _finish(out)}
-
-    def _new_logprobs(self, job: _Job, out: RequestOutput) -> list:
-        lps = out.new_logprobs or []
-        if out.finished:  # none for the tokens past a stop string
-            lps = lps[: max(0, self.returned(job) - job.sent_tokens)]
-        job.sent_tokens += len(out.new_token_ids)
-        return lps
+        choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": _finish(out)}
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(job)
+        return choice
 
     def _chunk_choice(self, job: _Job, out: RequestOutput | None) -> dict[str, Any]:
         if self.chat:
@@ -485,12 +506,12 @@ class Shaper:
                 return {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}  # fmt: skip
             delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-            lps = self._logprobs(job, self._new_logprobs(job, out), False)
+            lps = self._logprobs(job, out.new_logprobs or [], False)
             return {"index": job.index, "delta": delta, "logprobs": lps, "finish_reason": _finish(out)}
         echo = self.f.echo and not job.sent_echo
         job.sent_echo = True
         text = (self._prompt_text(job.prompt) + out.new_text) if echo else out.new_text
-        lps = self._logprobs(job, self._new_logprobs(job, out), echo)
+        lps = self._logprobs(job, out.new_logprobs or [], echo)
         return {"index": job.index, "text": text, "logprobs": lps, "finish_reason": _finish(out)}
 
 
@@ -503,10 +524,22 @@ def sse(obj: Any) -> bytes:
 
 async def serve_choices(request: web.Request, fe: Any, chat: bool, prompts: list[list[int]],
                         texts: list[str | None], params: SamplingParams, f: Features, stream: bool,
-                        include_usage: bool) -> web.StreamResponse:  # fmt: skip
-    """Run every choice of every prompt and answer with OpenAI's shapes, whole or streamed."""
-    shaper = Shaper(chat, fe, f, texts, prompts, fe.speculation_cap(params))
-    jobs = _jobs(fe, shaper.id, prompts, params, f)
+                        include_usage: bool, tenant: str | None = None, request_id: str | None = None,
+                        prompt_logprobs: int | None = None) -> web.StreamResponse:  # fmt: skip
+    """Run every choice of every prompt and answer with OpenAI's shapes, whole or streamed.
+    ``request_id``: the client's (vLLM's field or X-Request-Id), unique per ``tenant`` while
+    in flight; the response's id is built from it."""
+    shaper = Shaper(chat, fe, f, texts, prompts, fe.speculation_cap(params), fe.check_request_id(request_id),
+                    prompt_logprobs)  # fmt: skip
+    jobs = _jobs(fe, shaper.request_id, tenant, prompts, params, f)
+    with contextlib.ExitStack() as claims:
+        if not jobs[0].req.claim:  # several choices: the response's id is held for all of them
+            claims.enter_context(fe.claimed(tenant, shaper.request_id))
+        return await _answer(request, fe, shaper, jobs, chat, stream, include_usage)
+
+
+async def _answer(request: web.Request, fe: Any, shaper: Shaper, jobs: list[_Job], chat: bool, stream: bool,
+                  include_usage: bool) -> web.StreamResponse:  # fmt: skip
     async with aclosing(_outputs(fe, jobs)) as items:
         if not stream:
             async for _ in items:

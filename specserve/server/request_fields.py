@@ -24,7 +24,7 @@ IGNORED_FIELDS_HEADER = "X-Specserve-Ignored-Fields"
 
 # OpenAI's and vLLM's sampling fields (both endpoints).
 _SAMPLING = {
-    "model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty", "seed", "stop",
+    "model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "max_completion_tokens", "n", "presence_penalty", "seed", "stop",
     "stream", "stream_options", "temperature", "top_p", "user", "best_of", "use_beam_search", "top_k", "min_p",
     "repetition_penalty", "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
     "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
@@ -36,7 +36,7 @@ _SAMPLING = {
     "speculation",  # specserve's: the request's cap on drafts per step
 }
 CHAT_FIELDS = frozenset(_SAMPLING | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
     "functions", "function_call", "reasoning_effort", "include_reasoning", "thinking", "verbosity", "modalities",
     "audio", "web_search_options", "add_generation_prompt", "continue_final_message", "documents",
     "chat_template", "chat_template_kwargs", "mm_processor_kwargs",

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecserve/v1/specserve.proto\x12\x0cspecserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\xb7\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x14 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x15 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x16 \x01(\x01H\x06\x88\x01\x01\x12+\n\nlogit_bias\x18\x17 \x03(\x0b\x32\x17.specserve.v1.LogitBias\x12\x12\n\nmin_tokens\x18\x18 \x01(\r\x12\x15\n\x08logprobs\x18\x19 \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1a \x01(\rH\x08\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x1b \x01(\t\x12\x13\n\x0bjson_object\x18\x1c \x01(\x08\x12\r\n\x05regex\x18\x1d \x01(\t\x12\x0e\n\x06\x63hoice\x18\x1e \x03(\t\x12\x0f\n\x07grammar\x18\x1f \x01(\t\x12.\n\x0bspeculation\x18( \x01(\x0b\x32\x19.specserve.v1.SpeculationB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"M\n\x0bSpeculation\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.specserve.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xa6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12\x35\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x12\n\nprediction\x18\x14 \x01(\tB\x07\n\x05inputB\r\n\x0b_cache_salt\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x14 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x15 \x01(\r\"\x9c\x01\n\x0fSpecDecodeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x04\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\"\xb5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x32\n\x0bspec_decode\x18\x06 \x01(\x0b\x32\x1d.specserve.v1.SpecDecodeStats\x12,\n\x08logprobs\x18\x14 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x15 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\x8f\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x10\n\x08lossless\x18\x07 \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x1e \x01(\r\x12\"\n\x1a\x64raft_tensor_parallel_size\x18\x1f \x01(\r\x12\x19\n\x11\x61ttention_backend\x18( \x01(\t\x12\x19\n\x11rejection_backend\x18) \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf5\x01\n\tSpecServe\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.specserve.v1.GetModelInfoRequest\x1a\x17.specserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecserve/v1/specserve.proto\x12\x0cspecserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\xd1\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x14 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x15 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x16 \x01(\x01H\x06\x88\x01\x01\x12+\n\nlogit_bias\x18\x17 \x03(\x0b\x32\x17.specserve.v1.LogitBias\x12\x12\n\nmin_tokens\x18\x18 \x01(\r\x12\x15\n\x08logprobs\x18\x19 \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x1a \x01(\rH\x08\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x1b \x01(\t\x12\x13\n\x0bjson_object\x18\x1c \x01(\x08\x12\r\n\x05regex\x18\x1d \x01(\t\x12\x0e\n\x06\x63hoice\x18\x1e \x03(\t\x12\x0f\n\x07grammar\x18\x1f \x01(\t\x12.\n\x0bspeculation\x18( \x01(\x0b\x32\x19.specserve.v1.Speculation\x12\"\n\x1ainclude_stop_str_in_output\x18\x32 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x33 \x01(\x08H\t\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x34 \x01(\x08H\n\x88\x01\x01\x12\x11\n\tbad_words\x18\x35 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x36 \x03(\r\x12#\n\x16truncate_prompt_tokens\x18\x37 \x01(\x05H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\x19\n\x17_truncate_prompt_tokens\"M\n\x0bSpeculation\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x19\n\x17_num_speculative_tokens\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.specserve.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xde\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12\x35\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x12\n\nprediction\x18\x14 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x1e \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_cache_saltB\x15\n\x13_add_special_tokens\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x14 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x15 \x01(\r\"\x9c\x01\n\x0fSpecDecodeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x04\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\"\xb5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x32\n\x0bspec_decode\x18\x06 \x01(\x0b\x32\x1d.specserve.v1.SpecDecodeStats\x12,\n\x08logprobs\x18\x14 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x15 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\x8f\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x10\n\x08lossless\x18\x07 \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x1e \x01(\r\x12\"\n\x1a\x64raft_tensor_parallel_size\x18\x1f \x01(\r\x12\x19\n\x11\x61ttention_backend\x18( \x01(\t\x12\x19\n\x11rejection_backend\x18) \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf5\x01\n\tSpecServe\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.specserve.v1.GetModelInfoRequest\x1a\x17.specserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.specserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2375
-  _globals['_FINISHREASON']._serialized_end=2495
+  _globals['_FINISHREASON']._serialized_start=2713
+  _globals['_FINISHREASON']._serialized_end=2833
   _globals['_CHATMESSAGE']._serialized_start=46
   _globals['_CHATMESSAGE']._serialized_end=90
   _globals['_TOKENIDS']._serialized_start=92
@@ -40,27 +40,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=117
   _globals['_CHATMESSAGES']._serialized_end=176
   _globals['_SAMPLINGPARAMS']._serialized_start=179
-  _globals['_SAMPLINGPARAMS']._serialized_end=874
-  _globals['_SPECULATION']._serialized_start=876
-  _globals['_SPECULATION']._serialized_end=953
-  _globals['_LOGITBIAS']._serialized_start=955
-  _globals['_LOGITBIAS']._serialized_end=998
-  _globals['_TOKENLOGPROB']._serialized_start=1000
-  _globals['_TOKENLOGPROB']._serialized_end=1112
-  _globals['_TOPLOGPROB']._serialized_start=1114
-  _globals['_TOPLOGPROB']._serialized_end=1176
-  _globals['_GENERATEREQUEST']._serialized_start=1179
-  _globals['_GENERATEREQUEST']._serialized_end=1473
-  _globals['_USAGE']._serialized_start=1476
-  _globals['_USAGE']._serialized_end=1605
-  _globals['_SPECDECODESTATS']._serialized_start=1608
-  _globals['_SPECDECODESTATS']._serialized_end=1764
-  _globals['_GENERATERESPONSE']._serialized_start=1767
-  _globals['_GENERATERESPONSE']._serialized_end=2076
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2078
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2099
-  _globals['_MODELINFO']._serialized_start=2102
-  _globals['_MODELINFO']._serialized_end=2373
-  _globals['_SPECSERVE']._serialized_start=2498
-  _globals['_SPECSERVE']._serialized_end=2743
+  _globals['_SAMPLINGPARAMS']._serialized_end=1156
+  _globals['_SPECULATION']._serialized_start=1158
+  _globals['_SPECULATION']._serialized_end=1235
+  _globals['_LOGITBIAS']._serialized_start=1237
+  _globals['_LOGITBIAS']._serialized_end=1280
+  _globals['_TOKENLOGPROB']._serialized_start=1282
+  _globals['_TOKENLOGPROB']._serialized_end=1394
+  _globals['_TOPLOGPROB']._serialized_start=1396
+  _globals['_TOPLOGPROB']._serialized_end=1458
+  _globals['_GENERATEREQUEST']._serialized_start=1461
+  _globals['_GENERATEREQUEST']._serialized_end=1811
+  _globals['_USAGE']._serialized_start=1814
+  _globals['_USAGE']._serialized_end=1943
+  _globals['_SPECDECODESTATS']._serialized_start=1946
+  _globals['_SPECDECODESTATS']._serialized_end=2102
+  _globals['_GENERATERESPONSE']._serialized_start=2105
+  _globals['_GENERATERESPONSE']._serialized_end=2414
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2416
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2437
+  _globals['_MODELINFO']._serialized_start=2440
+  _globals['_MODELINFO']._serialized_end=2711
+  _globals['_SPECSERVE']._serialized_start=2836
+  _globals['_SPECSERVE']._serialized_end=3081
 # @@protoc_insertion_point(module_scope)
