@@ -390,6 +390,10 @@ def select_prompts(engine: LLMEngine, b: BenchConfig, cache: Path | None) -> lis
             prompts.append(ids)
         if len(prompts) == b.num_prompts:
             break
+    if not prompts:  # a benchmark of nothing would report nothing and pass
+        raise ConfigError("bench.max_prompt_tokens", f"no prompt fits: each must be <= {b.max_prompt_tokens} tokens "
+                          f"and leave room for bench.max_tokens ({b.max_tokens}) within max_model_len "
+                          f"({engine.max_model_len})")  # fmt: skip
     return prompts
 
 

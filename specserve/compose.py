@@ -283,6 +283,9 @@ def _first_line_of(e: BaseException, dirs: list[Path], overrides: Sequence[str] 
     slip = _slip(str(e).strip() or text, dirs, list(overrides))
     if slip is not None:
         return slip
+    unparsed = _unparsed_override(text, overrides)
+    if unparsed is not None:
+        return unparsed
     if full_key:
         hint = MISPLACED_KEY_HINTS.get(str(full_key))
         if hint:
@@ -294,6 +297,43 @@ def _first_line_of(e: BaseException, dirs: list[Path], overrides: Sequence[str] 
     return msg
 
 
+# String keys whose value is a comma-separated list of their own (several API keys): a comma
+# there is no Hydra sweep, so an unquoted value is quoted for Hydra.
+COMMA_LIST_KEYS = ("server.api_key", "server.metrics_key")
+
+
+def _quote_comma_lists(overrides: list[str]) -> list[str]:
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if eq and key.lstrip("+") in COMMA_LIST_KEYS and "," in value and value[:1] not in ("'", '"'):
+            o = f"{key}='{value}'" if "'" not in value else f'{key}="{value}"'
+        out.append(o)
+    return out
+
+
+def _unparsed_override(text: str, overrides: Sequence[str]) -> str | None:
+    """One line for an override Hydra's grammar cannot read: which key, and how to quote it."""
+    ambiguous = re.match(r"Ambiguous value for argument '([^=']+)=(.*)'", text)
+    if ambiguous:
+        key, value = ambiguous.groups()
+        return (f"{key.lstrip('+~')}: Hydra reads the commas in {value!r} as a sweep over several runs; "
+                f"quote the value: {key}='{value}'")  # fmt: skip
+    if not re.search(r"LexerNoViableAlt|mismatched input|extraneous input|token recognition error|no viable alt", text):
+        return None
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if eq and o in text:
+            if value.startswith("[") and value.endswith("]"):
+                items = ", ".join(f"'{v.strip()}'" for v in value[1:-1].split(",") if v.strip())
+                suggestion = f"{key}=[{items}]"
+            else:
+                suggestion = f"{key}='{value}'"
+            return (f"{key.lstrip('+~')}: Hydra cannot read {value!r} unquoted (non-ASCII letters, spaces and "
+                    f"some symbols need quotes); write {suggestion}")  # fmt: skip
+    return None
+
+
 def compose_config(argv: list[str], prog: str = "specserve") -> Config | None:
     """Compose and validate; None when only --cfg/--help output was requested.
 
@@ -303,6 +343,7 @@ def compose_config(argv: list[str], prog: str = "specserve") -> Config | None:
     if help_:
         print(help_text(prog))
         return None
+    overrides = _quote_comma_lists(overrides)
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
         if key in MISPLACED_KEY_HINTS:
@@ -340,6 +381,22 @@ def check_device(cfg: Config) -> None:
             resolve_dtype(m.dtype, device, cfg.engine.cpu_kernel)
     except ModelLoadError as e:
         raise UsageError(str(e)) from None
+
+
+def check_model_paths(cfg: Config) -> None:
+    """The target's and any draft's files exist (``loader.check_model_path``), checked
+    before anything loads; a missing one is a one-line UsageError naming its key."""
+    from specserve.errors import ModelLoadError
+    from specserve.executor.loader import check_model_path
+
+    paths = [("model.path", cfg.model.path)]
+    if cfg.draft is not None and getattr(cfg.draft, "path", None):
+        paths.append(("draft.path", cfg.draft.path))
+    for key, path in paths:
+        try:
+            check_model_path(str(path))
+        except ModelLoadError as e:
+            raise UsageError(f"{key}: {e}") from None
 
 
 def compose_object(name: str, overrides: list[str], extra_dir: str | None, show: bool,

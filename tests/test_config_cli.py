@@ -211,3 +211,34 @@ def test_the_installed_bench_script_and_a_sweep_print_the_bench_help():
         r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.startswith("usage: specserve-bench "), (args, r.stdout[:300], r.stderr)
         assert "bench.max_tokens=128" in r.stdout and "server.grpc_port" not in r.stdout
+
+
+# --------------------------------------------------------------------------- values Hydra's grammar reads otherwise
+
+
+def test_api_keys_as_the_readme_writes_them():
+    """server.api_key=k1,k2 (the README's form) is a list of keys, not a Hydra sweep."""
+    assert compose_config(["server.api_key=k1,k2"]).server.api_key == "k1,k2"
+    with pytest.raises(ConfigError) as e:  # one metrics key: said as such, not as a Hydra sweep
+        compose_config(["server.metrics_key=m1,m2"])
+    assert e.value.key == "server.metrics_key" and "no commas" in str(e.value)
+    assert compose_config(["server.api_key='k1,k2'"]).server.api_key == "k1,k2"  # quoted as before
+
+
+@pytest.mark.parametrize("override, line", [
+    ("engine.max_num_seqs=1,2", "engine.max_num_seqs: Hydra reads the commas in '1,2' as a sweep over several "
+                                "runs; quote the value: engine.max_num_seqs='1,2'"),
+    ("server.served_model_aliases=[modèle]", "server.served_model_aliases: Hydra cannot read '[modèle]' unquoted "
+     "(non-ASCII letters, spaces and some symbols need quotes); write server.served_model_aliases=['modèle']"),
+])  # fmt: skip
+def test_unreadable_values_name_the_key_and_the_quoting(override, line):
+    with pytest.raises(UsageError) as e:
+        compose_config([override])
+    assert str(e.value) == line
+    assert compose_config(["server.served_model_aliases=['modèle']"]).server.served_model_aliases[0] == "modèle"
+
+
+def test_bench_with_no_prompt_allowed_is_a_config_error():
+    with pytest.raises(ConfigError) as e:
+        compose_config(["bench.max_prompt_tokens=0"], "specserve-bench")
+    assert e.value.key == "bench.max_prompt_tokens"

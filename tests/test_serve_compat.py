@@ -94,7 +94,7 @@ def test_removed_vllm_flags_say_what_to_use_instead(flag):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--swap-space", "4"], "unknown option '--swap-space'"),
+    (["--block-allocator", "4"], "unknown option '--block-allocator'"),
     (["--port", "http"], "--port must be an integer, got 'http'"),
     (["--speculative-config", "{method: ngram}"], "--speculative-config: not valid JSON"),
     (["--speculative-config", '{"method": "ngram", "bogus": 1}'], "method.bogus: no such key; method has: method, model, num_speculative_tokens,"),
@@ -256,3 +256,23 @@ def test_python_dash_m_specserve_serve_dry_run(tiny_llama):
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "+method=ngram method.num_speculative_tokens=3" in r.stdout
+
+
+def test_a_nested_tree_in_the_speculative_config_is_its_dotted_keys():
+    """vLLM writes the tree as an object; it becomes method.tree.* (as flat keys already did)."""
+    nested = '{"method": "eagle3", "num_speculative_tokens": 4, "tree": {"topk": 2, "num_draft_tokens": 6, "depth": 3}}'
+    rc, out, err = run_serve(["embedded:smollm2-135m-instruct", "--speculative-config", nested, "--dry-run"])
+    assert rc == 0, err
+    tree = yaml.safe_load(out.split("# the composed, validated config:", 1)[1])["method"]["tree"]
+    assert (tree["topk"], tree["num_draft_tokens"], tree["depth"]) == (2, 6, 3)
+    rc, _, err = run_serve(["embedded:smollm2-135m-instruct", "--speculative-config",
+                            '{"method": "eagle3", "tree": {"topkk": 2}}', "--dry-run"])  # fmt: skip
+    assert rc == 2 and err.strip() == "specserve serve: error: method.tree.topkk: no such key; did you mean method.tree.topk?"
+
+
+def test_dry_run_checks_that_the_model_exists(tmp_path):
+    rc, out, err = run_serve([str(tmp_path / "missing"), "--dry-run"])
+    assert rc == 2 and "# the composed" not in out
+    assert err.strip().startswith("specserve serve: error: model.path: model path not found: ")
+    rc, _, err = run_serve([str(tmp_path / "gone.gguf"), "--dry-run"])
+    assert rc == 2 and "model.path: model file not found" in err

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +45,7 @@ from specserve.engine.stats import RequestFinishedStats, RequestStepStats, Stats
 from specserve.engine.tokenizer import Tokenizer, bad_words_token_ids
 from specserve.engine.spec_control import SpecController, tree_depth_choices
 from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeError
+from specserve.generation_defaults import read_defaults
 from specserve.executor.kv_cache import KVCache
 from specserve.executor.loader import LoadedModel, load_model, resolve_device
 from specserve.executor.batch import SeqInput, StepBatch, draft_sizes, tree_depths
@@ -84,6 +85,9 @@ class ModelInfo:
     attention_backend: str = "torch"
     rejection_backend: str = "torch"
     vocab_size: int | None = None  # token ids a request may use: [0, vocab_size)
+    # Defaults for fields a request leaves out, from the model's generation_config.json
+    # (model.generation_config; specserve.generation_defaults): SamplingParams' names.
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 def memory_budget(cfg: Config, target: LoadedModel, num_spec_tokens: int, graphs: bool, static: bool, extra_layers: int,
@@ -127,7 +131,8 @@ class LLMEngine:
             target = load_target(cfg)
         if target is None:
             m = cfg.model
-            target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir, cpu_kernel=e.cpu_kernel)
+            target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir, cpu_kernel=e.cpu_kernel,
+                                tokenizer_path=m.tokenizer)
         self.target = target
         self.tokenizer = Tokenizer(target.tokenizer, target.eos_token_ids)
         self.max_model_len = target.max_model_len
@@ -224,6 +229,7 @@ class LLMEngine:
             attention_backend=self.runner.attention_backend,
             rejection_backend=rejection.used,
             vocab_size=target.arch.vocab_size,
+            sampling_defaults=read_defaults(cfg.model.generation_config, target.hf_dir),
         )
 
     # ------------------------------------------------------------ requests

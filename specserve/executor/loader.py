@@ -1,8 +1,9 @@
-"""Load a model from the embedded GGUF, a local .gguf file or a local HF directory.
+"""Load a model from the embedded GGUF, a local .gguf file, a local HF directory or a
+Hugging Face id in the Hugging Face cache (``specserve.hub``).
 
 A GGUF file is converted once (tokenizer + dequantised float32 weights) into
 an HF-format directory under the cache dir, so there is exactly one loading
-path and restarts are fast.  Nothing is ever downloaded.
+path and restarts are fast.  Nothing is downloaded unless ``model.download=true``.
 
 A Granite Speech directory (``model_type: granite_speech``) loads as its text model plus
 ``LoadedModel.speech`` (``executor.models.granite_speech``: the encoder and projector);
@@ -146,28 +147,70 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return out
 
 
-def resolve_hf_dir(path: str, cache_dir: str | None) -> Path:
-    """Map a model path (embedded:<name>, x.gguf, or a directory) to an HF dir."""
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    if path.startswith("embedded:") and path.split(":", 1)[1] in EMBEDDED_DIRS:
-        d = Path(__file__).resolve().parent.parent / "assets" / EMBEDDED_DIRS[path.split(":", 1)[1]]
-        if not (d / "config.json").is_file():
-            raise ModelLoadError(f"embedded model {path!r}: {d} is missing from this installation")
-        return d
+def embedded_dir(name: str) -> Path | None:
+    """The package's directory of an embedded HF-format model (``EMBEDDED_DIRS``), None for
+    the others; ModelLoadError when this installation lacks it."""
+    if name not in EMBEDDED_DIRS:
+        return None
+    d = Path(__file__).resolve().parent.parent / "assets" / EMBEDDED_DIRS[name]
+    if not (d / "config.json").is_file():
+        raise ModelLoadError(f"embedded model {name!r}: {d} is missing from this installation")
+    return d
+
+
+def missing_path_message(path: str) -> str:
+    """Why ``path`` names no model, with where the built-in presets look (SPECSERVE_MODELS_DIR)."""
+    env = os.environ.get("SPECSERVE_MODELS_DIR")
+    where = (f"SPECSERVE_MODELS_DIR={env}" if env else
+             "SPECSERVE_MODELS_DIR is unset, so presets such as model=qwen3-0.6b look under /models")
+    return (f"model path not found: {path!r} ({where}; give a local HF directory, a .gguf file, embedded:<name> "
+            "or a Hugging Face id org/name[@revision] from the Hugging Face cache; nothing is downloaded unless "
+            "model.download=true)")
+
+
+def check_model_path(path: str, need_config: bool = True) -> None:
+    """What ``resolve_hf_dir`` checks of a model path before any conversion or loading (the
+    file or directory exists; ModelLoadError naming it otherwise): ``serve --dry-run`` and
+    start-up ask this before anything slow.  A Hugging Face id still an id here is one that
+    validation let through to be downloaded (``model.download=true``): the loader fetches it."""
     if path.startswith("embedded:"):
-        return convert_gguf(embedded_gguf_path(path.split(":", 1)[1]), cache)
+        if embedded_dir(path.split(":", 1)[1]) is None:
+            embedded_gguf_path(path.split(":", 1)[1])
+        return
+    from specserve.hub import parse_id
+
+    if parse_id(path) is not None:
+        return
     p = Path(path).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise ModelLoadError(f"model file not found: {p}")
-        return convert_gguf(p, cache)
+        return
+    _check_hf_dir(p, path, need_config)
+
+
+def _check_hf_dir(p: Path, path: str, need_config: bool = True) -> None:
     if not p.is_dir():
-        raise ModelLoadError(
-            f"model path not found: {path!r} (give a local HF directory, a .gguf file or embedded:<name>; "
-            "nothing is downloaded)"
-        )
-    if not (p / "config.json").is_file():
+        raise ModelLoadError(missing_path_message(path))
+    if need_config and not (p / "config.json").is_file():
         raise ModelLoadError(f"{p} has no config.json: not an HF-format model directory")
+
+
+def resolve_hf_dir(path: str, cache_dir: str | None, key: str = "model.path", need_config: bool = True) -> Path:
+    """Map a model path (embedded:<name>, x.gguf, a directory or a hub id) to an HF dir
+    (``need_config``: it must hold a config.json; a tokenizer's directory need not)."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    check_model_path(path, need_config)
+    if path.startswith("embedded:"):
+        d = embedded_dir(path.split(":", 1)[1])
+        return d if d is not None else convert_gguf(embedded_gguf_path(path.split(":", 1)[1]), cache)
+    from specserve.hub import local_dir
+
+    snapshot = local_dir(path, key)  # org/name[@revision]: the cached (or fetched) snapshot
+    p = snapshot if snapshot is not None else Path(path).expanduser()
+    if p.suffix == ".gguf":
+        return convert_gguf(p, cache)
+    _check_hf_dir(p, path, need_config)
     return p
 
 
@@ -368,11 +411,15 @@ def load_model(
     key: str = "model",
     cpu_kernel: str = "auto",
     tp: Any = None,
+    tokenizer_path: str | None = None,
 ) -> LoadedModel:
-    """``tp``: a ``specserve.parallel.loading.ShardSpec``: load only this rank's slices."""
+    """``tp``: a ``specserve.parallel.loading.ShardSpec``: load only this rank's slices.
+    ``tokenizer_path``: the tokenizer's own directory or id (``model.tokenizer``); None =
+    the model's."""
     from transformers import AutoConfig, AutoTokenizer
 
-    hf_dir = resolve_hf_dir(path, cache_dir)
+    hf_dir = resolve_hf_dir(path, cache_dir, f"{key}.path")
+    tok_dir = resolve_hf_dir(tokenizer_path, cache_dir, f"{key}.tokenizer", False) if tokenizer_path else hf_dir
     dtype = resolve_dtype(dtype_name, device, cpu_kernel)
     try:
         hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
@@ -397,9 +444,10 @@ def load_model(
         raise ModelLoadError(f"{key}.max_model_len={max_model_len} exceeds the model's {limit} positions")
     mml = max_model_len or min(limit, 8192)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     except Exception as e:
-        raise ModelLoadError(f"{key}.path: cannot load the tokenizer from {hf_dir}: {e}") from e
+        which = "tokenizer" if tokenizer_path else "path"
+        raise ModelLoadError(f"{key}.{which}: cannot load the tokenizer from {tok_dir}: {e}") from e
     if tp is not None:  # tensor parallel: this rank's slices of the checkpoint only
         model, arch = tp.build(hf_dir, hf_config, arch, dtype)
     else:

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from specserve.engine.output import OutputProcessor
 from specserve.engine.stats import RequestFinishedStats, RequestStepStats, StepStats
 from specserve.errors import EngineDeadError, EngineDrainingError, InvalidRequestError, QueueFullError
 from specserve.request import FinishReason, RequestOutput, SamplingParams, SpecDecodeStats
@@ -190,7 +191,7 @@ class FakeEngine:
             self._running[request_id] = req
             last_emit = time.monotonic()
             step = 0
-            text_sent = ""
+            proc = OutputProcessor(self.tokenizer, prompt_token_ids, params)
             while True:
                 await asyncio.sleep(self.step_delay_s)
                 while self._frozen(req, step):
@@ -219,25 +220,21 @@ class FakeEngine:
                     spec.num_drafts += 1
                     spec.num_draft_tokens += drafts
                     spec.num_accepted_tokens += accepted
-                text = self.tokenizer.decode(req.generated)
-                for s in params.stop:
-                    if s in text:
-                        text = text[: text.index(s)]
-                        reason_now = FinishReason.STOP
                 if reason_now is None and len(req.generated) >= params.max_tokens:
                     reason_now = FinishReason.LENGTH
                 now = time.monotonic()
                 self._emit_step(req, len(new), drafts, accepted, step, now - last_emit)
                 last_emit = now
-                delta = text[len(text_sent) :]
-                text_sent = text
                 step += 1
-                if reason_now is not None:
+                # Text, stop strings and what the client gets: the real output processor, as
+                # AsyncEngine runs it.
+                out, _ = proc.process(self._output(req, new, "", reason_now is not None, reason_now, spec))
+                if out.finished:
                     finished = True
-                    reason = reason_now
-                    yield self._output(req, new, delta, True, reason, spec, text=text)
+                    reason = out.finish_reason
+                    yield out
                     return
-                yield self._output(req, new, delta, False, None, spec, text=text)
+                yield out
         finally:
             if request_id in self._waiting:
                 self._waiting.remove(request_id)

@@ -301,7 +301,7 @@ def test_abort_while_the_compile_is_pending_drops_it(served, spy, monkeypatch):
     assert re.fullmatch("zqafter[a-c]{2,4}", r.choices[0].text)
     assert spy.count("zqqueued") == 0
     assert spy.count("zqrunning") == 1
-    assert len(admitted) == 1 and admitted[0].startswith("cmpl-")  # only the last request reached the engine
+    assert len(admitted) == 1  # only the last request reached the engine
     assert wait_for(served.idle)
 
 

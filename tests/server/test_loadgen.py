@@ -122,3 +122,32 @@ def test_refuses_non_loopback_targets(flag, target, capsys):
         loadgen.main([flag, target, "--duration-s", "1"])
     assert exc.value.code == 2
     assert "loopback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--output", "/nonexistent-dir/report.json"], "--output /nonexistent-dir/report.json: cannot write"),
+    (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file /nonexistent/prompts.txt: no such file"),
+    (["--reference", "/nonexistent/ref.json"], "--reference /nonexistent/ref.json: no such file"),
+    (["--ca-file", "/nonexistent/ca.pem"], "--ca-file /nonexistent/ca.pem: no such file"),
+    (["--temperature", "-1"], "--temperature must be in [0, 2]"),
+    (["--temperature", "nan"], "--temperature must be in [0, 2]"),
+    (["--request-timeout-s", "-5"], "--request-timeout-s must be in (0, 86400]"),
+])  # fmt: skip
+def test_bad_arguments_are_one_line_before_any_load(extra, words, capsys):
+    """Each is refused up front (exit 2, one line): a bad --output used to end a finished run
+    in a traceback, its results lost."""
+    with pytest.raises(SystemExit) as e:
+        loadgen.main(["--http-url", "http://127.0.0.1:9", "--duration-s", "1", *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert words in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_unreadable_reference_and_ca_files_are_one_line(tmp_path, capsys):
+    bad_json, not_pem = tmp_path / "ref.json", tmp_path / "ca.pem"
+    bad_json.write_text("{not json")
+    not_pem.write_text("hello")
+    for flag, path, words in (("--reference", bad_json, "not valid JSON"), ("--ca-file", not_pem, "not a PEM")):
+        with pytest.raises(SystemExit) as e:
+            loadgen.main(["--http-url", "http://127.0.0.1:9", "--duration-s", "1", flag, str(path)])
+        assert e.value.code == 2 and words in capsys.readouterr().err

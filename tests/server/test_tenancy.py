@@ -10,7 +10,7 @@ import http.client
 import grpc
 import pytest
 from fake_engine import FakeEngine
-from server_testutil import http_call, scrape, server_config, total
+from server_testutil import http_call, scrape, server_config, total, wait_for
 
 from specserve.config import Config, validate_config
 from specserve.errors import ConfigError
@@ -148,7 +148,7 @@ def test_each_key_and_salt_is_its_own_partition_on_both_front_ends(make_served):
     assert last_salt(open_server) == unkeyed_s1
 
 
-@pytest.mark.parametrize("salt", ["", 5, ["s"], "x" * 1025, "\ud800"])
+@pytest.mark.parametrize("salt", ["", 5, ["s"], "x" * 1025, "\ud800", "\u0000", "a\nb"])
 def test_bad_cache_salt_is_refused_naming_the_field(make_served, salt):
     s = make_served()
     status, body = complete(s, None, cache_salt=salt)
@@ -230,3 +230,88 @@ def test_acceptance_counts_do_not_reveal_another_keys_answer(real_served):
     size = total(scrape(victim.http, "alice"), "specserve_suffix_cache_bytes")
     assert size == victim.llm.proposer.cache.num_bytes > 0
     assert total(scrape(victim.http, "bob"), "specserve_suffix_cache_responses") == len(guesses) * 2 + 1
+
+
+# --------------------------------------------------------------------------- every timed cache, partitioned
+
+
+@pytest.fixture
+def byte_served(tmp_path):
+    """A real engine on the tiny byte-level llama (llguidance reads its tokenizer), two keys."""
+    from test_real_engine import RealServed
+    from tiny_byte_model import make_byte_model
+
+    from engine_utils import tiny_config
+
+    s = RealServed(tiny_config(make_byte_model(tmp_path / "byte"), "ngram", k=4, num_blocks=128, block_size=4),
+                   api_key="alice,bob")  # fmt: skip
+    yield s
+    s.close()
+
+
+def test_the_grammar_cache_is_partitioned_like_the_prefix_cache(byte_served):
+    """The report: Bob sending a schema Alice sent before was answered ~14x faster than a
+    fresh one (a hit in a cache keyed by the grammar alone).  Now Bob's copy is compiled
+    afresh, as a grammar nobody sent is; Alice's own repeat (and that of her cache_salt
+    partition) still hits."""
+    s = byte_served
+    body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 8, "temperature": 0,
+            "structured_outputs": {"choice": ["w7 w8", "w9 w10", "w11"]}}  # fmt: skip
+
+    def compiles(key: str, **extra) -> int:
+        before = s.llm.grammar_backend.cache.num_compiles
+        status, out = http_call(f"{s.http}/v1/completions", {**body, **extra}, bearer(key))
+        assert status == 200 and out["choices"][0]["text"] in ("w7 w8", "w9 w10", "w11"), out
+        return s.llm.grammar_backend.cache.num_compiles - before
+
+    assert compiles("alice") == 1
+    assert compiles("bob") == 1  # Alice's grammar is no hit for Bob: compiled like a fresh one
+    assert compiles("alice") == 0 and compiles("bob") == 0  # each key's own repeat hits
+    assert compiles("alice", cache_salt="s1") == 1 and compiles("alice", cache_salt="s1") == 0
+    # The same over gRPC (the same partition as HTTP for the same key).
+    req = pb.GenerateRequest(prompt="w1 w2 w3", sampling_params=pb.SamplingParams(
+        max_tokens=8, temperature=0, choice=["w7 w8", "w9 w10", "w11"]))  # fmt: skip
+    before = s.llm.grammar_backend.cache.num_compiles
+    s.stub.Generate(req, metadata=(("authorization", "Bearer bob"),))
+    assert s.llm.grammar_backend.cache.num_compiles == before
+
+
+# --------------------------------------------------------------------------- request ids per key
+
+
+def test_request_ids_are_a_namespace_per_key(make_served):
+    """Bob may use an id Alice has in flight (he cannot see or squat on hers); Alice may not
+    use her own in-flight id twice.  On gRPC and HTTP (vLLM's request_id / X-Request-Id)."""
+    import threading
+
+    from fake_engine import FakeTokenizer
+
+    engine = FakeEngine()
+    held = FakeTokenizer().encode("hold")
+    release = threading.Event()
+    engine.stall = lambda prompt, step: prompt == held and not release.is_set()
+    s = make_served(engine, api_key="alice,bob")
+    alice, bob = (("authorization", "Bearer alice"),), (("authorization", "Bearer bob"),)
+    pending = s.stub.Generate.future(pb.GenerateRequest(request_id="dup", prompt="hold",
+                                     sampling_params=pb.SamplingParams(max_tokens=2)), metadata=alice)  # fmt: skip
+    try:
+        assert wait_for(lambda: s.handle.servers.frontend.num_inflight == 1)
+        r = s.stub.Generate(pb.GenerateRequest(request_id="dup", prompt="hi",
+                                               sampling_params=pb.SamplingParams(max_tokens=2)), metadata=bob)
+        assert r.request_id == "dup" and r.finish_reason == pb.FINISH_REASON_LENGTH
+        with pytest.raises(grpc.RpcError) as err:
+            s.stub.Generate(pb.GenerateRequest(request_id="dup", prompt="hi"), metadata=alice)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
+        status, out = complete(s, "alice", request_id="dup")
+        assert status == 400 and out["error"]["param"] == "request_id"
+        status, out = complete(s, "bob", request_id="dup")
+        assert status == 200 and out["id"] == "cmpl-dup"
+        status, out = http_call(f"{s.http}/v1/completions", {"model": "fake-model", "prompt": "hi", "max_tokens": 2},
+                                {**bearer("bob"), "X-Request-Id": "from-header"})  # fmt: skip
+        assert status == 200 and out["id"] == "cmpl-from-header"
+        status, out = complete(s, "bob", request_id="dup", n=2)  # several choices hold the id too
+        assert status == 200 and out["id"] == "cmpl-dup" and len(out["choices"]) == 2
+    finally:
+        release.set()
+    assert pending.result(timeout=30).request_id == "dup"
+    assert complete(s, "alice", request_id="dup")[0] == 200  # free again once it finished

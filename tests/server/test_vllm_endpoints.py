@@ -9,7 +9,6 @@ the ``developer`` chat role on a real HF tokenizer.
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -230,7 +229,7 @@ def test_max_tokens_is_capped_by_the_context_not_a_fixed_cap(make_served):
 
 def test_the_default_fits_the_kv_cache_and_the_explicit_limits(make_served):
     engine = vllm_engine(max_model_len=1024)
-    engine.engine = SimpleNamespace(blocks=SimpleNamespace(num_blocks=4, block_size=16), k=3)  # as LLMEngine holds them
+    engine.output_room = lambda n: 4 * 16 - 3 - n  # as LLMEngine.output_room answers: 4 blocks of 16, K = 3
     s = make_served(engine, **NO_LIMITS)
     s.stub.Generate(pb.GenerateRequest(request_id="kv", prompt="hello"))
     assert engine.requests["kv"].params.max_tokens == 4 * 16 - 3 - 6  # one request's KV room, not max_model_len's
