@@ -228,6 +228,82 @@ def _end_token(tok: Any) -> int:
     return ids[0] if ids and ids[0] is not None and ids[0] != tok.unk_token_id else tok.eos_token_id
 
 
+def train_embed(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], out: Path) -> None:
+    """Stage 2a, no LLM forward: the projector's outputs read as a CTC over the text model's
+    vocabulary (cosine similarity with its token embeddings; blank = the audio token) with
+    the transcript's tokens as targets, their norms held at the embeddings' mean norm.  The
+    outputs then lie near the embeddings of the tokens being spoken, in order: a start from
+    which the LM loss (``train_align``) has the text model read them."""
+    stage, ckpt = cfg.embed, out / "embed.pt"
+    if stage.max_steps <= 0:
+        return
+    from transformers import AutoTokenizer
+
+    from specserve.executor.loader import resolve_hf_dir
+    from safetensors.torch import load_file
+
+    hf_dir = resolve_hf_dir(cfg.model["path"], cfg.cache_dir)
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    emb = load_file(str(hf_dir / "model.safetensors"))["model.embed_tokens.weight"].float()
+    norm = float(emb.norm(dim=-1).mean())
+    # the classifier covers the tokens of the training transcripts (and the blank) only
+    vocab = sorted({t for s in data["texts"][: data["num_train"]] for t in tok(s, add_special_tokens=False).input_ids}
+                   | {cfg.audio_token_index})
+    index = {t: i for i, t in enumerate(vocab)}
+    unit = F.normalize(emb[torch.tensor(vocab)], dim=-1)
+    blank = index[cfg.audio_token_index]
+    opt = torch.optim.AdamW(model.projector.parameters(), lr=stage.lr, weight_decay=0.01)
+    step, elapsed = 0, 0.0
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=False)
+        model.projector.load_state_dict(state["projector"])
+        opt.load_state_dict(state["opt"])
+        step, elapsed = state["step"], state["elapsed"]
+        if state.get("done"):
+            log.info("embed: done (step %d)", step)
+            return
+    model.encoder.eval()
+    model.projector.train()
+    rng = np.random.default_rng(cfg.data.seed + 104729 + step)
+    t_last, losses = time.time(), []
+    while not _done(stage, step, elapsed):
+        idx = rng.choice(data["num_train"], stage.batch_size, replace=False)
+        outs, targets = [], []
+        with torch.no_grad():
+            hid = [model.encoder(input_features(_clip(data, int(i)))[None])[0][0] for i in idx]
+        for h, i in zip(hid, idx):
+            outs.append(model.projector(h[None])[0])
+            targets.append([index[t] for t in tok(data["texts"][int(i)], add_special_tokens=False).input_ids])
+        T = max(o.shape[0] for o in outs)
+        x = torch.stack([F.pad(o, (0, 0, 0, T - o.shape[0])) for o in outs])  # (B, T, H)
+        logits = 30.0 * F.normalize(x, dim=-1) @ unit.T  # (B, T, V)
+        logp = logits.log_softmax(-1).transpose(0, 1)
+        tg = torch.tensor([t for ts in targets for t in ts])
+        loss = F.ctc_loss(logp, tg, torch.tensor([o.shape[0] for o in outs]), torch.tensor([len(t) for t in targets]),
+                          blank=blank, zero_infinity=True)
+        loss = loss + ((torch.cat(outs).norm(dim=-1) - norm) ** 2).mean()
+        for g in opt.param_groups:
+            g["lr"] = _lr(stage, step, elapsed)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.projector.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        step += 1
+        now = time.time()
+        elapsed += now - t_last
+        t_last = now
+        if step % stage.checkpoint_every == 0 or _done(stage, step, elapsed):
+            best = logits[0, : outs[0].shape[0]].argmax(-1).tolist()
+            path = [vocab[t] for j, t in enumerate(best) if t != blank and (j == 0 or t != best[j - 1])]
+            log.info("embed step %d  %.1f min  loss %.3f  [%r vs %r]", step, elapsed / 60, sum(losses) / len(losses),
+                     tok.decode(path), data["texts"][int(idx[0])])
+            losses = []
+            _save(ckpt, {"projector": model.projector.state_dict(), "opt": opt.state_dict(), "step": step,
+                         "elapsed": elapsed, "done": _done(stage, step, elapsed)})
+            t_last = time.time()
+
+
 def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], out: Path) -> None:
     stage, ckpt = cfg.align, out / "align.pt"
     llm, tok, _ = _text_model(cfg)
@@ -243,6 +319,8 @@ def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
         if state.get("done"):
             log.info("align: done (step %d)", step)
             return
+    elif (out / "embed.pt").is_file():  # from the embedding-aligned projector (train_embed)
+        model.projector.load_state_dict(torch.load(out / "embed.pt", weights_only=False)["projector"])
     else:  # start the projector's outputs at the scale of the text model's token embeddings
         with torch.no_grad():
             model.projector.linear.weight.mul_(float(emb.weight.std()) / 0.05)
@@ -393,6 +471,7 @@ def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
     train_ctc(cfg, model, data, out)
     state = torch.load(out / "ctc.pt", weights_only=False)
     model.encoder.load_state_dict(state["encoder"])
+    train_embed(cfg, model, data, out)
     train_align(cfg, model, data, out)
     model.projector.load_state_dict(torch.load(out / "align.pt", weights_only=False)["projector"])
     export(cfg, model, out / "model", text_config)

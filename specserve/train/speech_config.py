@@ -67,6 +67,10 @@ class SpeechTrainConfig:
     encoder: SpeechEncoderConfig = field(default_factory=SpeechEncoderConfig)
     projector: SpeechProjectorConfig = field(default_factory=SpeechProjectorConfig)
     ctc: SpeechStageConfig = field(default_factory=SpeechStageConfig)
+    # The projector's outputs aligned with the text model's token embeddings by a CTC over
+    # its vocabulary (no LLM forward; max_steps 0 skips it), before the LM loss.
+    embed: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
+        max_steps=3000, max_minutes=10.0, lr=2e-3, warmup_steps=30, batch_size=16, checkpoint_every=50))
     align: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
         max_steps=3000, max_minutes=75.0, lr=5e-4, warmup_steps=50, batch_size=8, checkpoint_every=25))
     # The audio placeholder's token id in the text model's vocabulary (a token plain text
