@@ -91,6 +91,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="results/speech-isolation.json")
+    p.add_argument("overrides", nargs="*", help="more Hydra overrides (engine.long_prefill_token_threshold=64 ...)")
     args = p.parse_args()
 
     from specserve.compose import compose_config
@@ -103,6 +104,7 @@ def main() -> int:
                  f"engine.num_threads={args.threads}"]
     if args.method != "none":
         overrides.append(f"+method={args.method}")
+    overrides += args.overrides
     cfg = compose_config(overrides)
     engine = build_async_engine(cfg)
     handle = start_servers(cfg.server, engine)
@@ -114,7 +116,7 @@ def main() -> int:
     u, lo = statistics.median(res["unloaded_s"]), statistics.median(res["loaded_s"])
     seconds = args.minutes * 60
     report = {
-        "config": {"model": args.model, "method": args.method, "minutes": args.minutes, "repeats": args.repeats,
+        "config": {"model": args.model, "method": args.method, "overrides": args.overrides, "minutes": args.minutes, "repeats": args.repeats,
                    "max_tokens": args.max_tokens, "threads": args.threads,
                    "encoder_frames_per_step": cfg.audio.encoder_frames_per_step, "max_clip_s": cfg.audio.max_clip_s},
         "text_latency_unloaded_median_s": round(u, 4), "text_latency_loaded_median_s": round(lo, 4),
