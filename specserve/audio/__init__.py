@@ -14,13 +14,13 @@ The model family that consumes the features lives in the data plane
 ``specserve.server.audio`` and ``specserve.llm``.
 """
 
+import hashlib
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
 SAMPLE_RATE = 16000
-
-import hashlib  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from functools import cached_property  # noqa: E402
-
-import numpy as np  # noqa: E402
 
 
 @dataclass(eq=False)

@@ -8,11 +8,15 @@ Stages (each resumable from ``output_dir``; a finished stage is skipped on a rer
 2. ``ctc``: the conformer encoder with a character CTC head (labels are Unicode code
    points, blank 0), the loss on the final states plus half the loss of the middle
    block's self-conditioning head.  Batches add gain and, half the time, white noise.
-3. ``align``: the encoder frozen, the Q-Former projector trained so that the frozen text
+3. ``embed``: the encoder frozen, the projector's outputs aligned with the text model's
+   token embeddings by a CTC over its vocabulary (cosine similarity to the embeddings of
+   the training transcripts' tokens, blank = the audio token; no LLM forward), their norms
+   held at the embeddings' mean norm: a start for the LM loss.
+4. ``align``: the encoder frozen, the Q-Former projector trained so that the frozen text
    model, prompted with ``audio.prompt.transcription_prompt`` whose audio positions hold
    the projector's outputs, writes the normalised transcript and then its end-of-turn
    token (cross-entropy on those tokens only; the text model's weights never change).
-4. ``export``: ``config.json`` (``model_type: granite_speech``, the text model's config,
+5. ``export``: ``config.json`` (``model_type: granite_speech``, the text model's config,
    ``specserve.text_model`` naming where its weights come from) and ``model.safetensors``
    holding the encoder and projector under transformers' names.
 
