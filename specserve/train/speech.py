@@ -188,7 +188,7 @@ def train_ctc(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.encoder.parameters(), 5.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         step += 1
         now = time.time()
         elapsed += now - t_last
@@ -368,7 +368,7 @@ def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.projector.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         step += 1
         now = time.time()
         elapsed += now - t_last
