@@ -634,7 +634,8 @@ def summarize(results: list[Result], wall_s: float, reference: dict[str, str], t
     return {
         "duration_s": round(wall_s, 3),
         "requests": {"total": len(results), "ok": len(ok), "cancelled": expected["cancelled"],
-                     "by_protocol": dict(Counter(r.protocol for r in results))},  # fmt: skip
+                     "by_protocol": dict(Counter(r.protocol for r in results)),
+                     "by_mode": dict(Counter(r.mode for r in results))},  # fmt: skip
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
         "completion_tokens": tokens,
