@@ -13,16 +13,21 @@ Start the server with the seed's command line, model names replaced:
 
 (`--dry-run` prints the Hydra command line this becomes.)  Then:
 
-    python examples/openai_client.py
+    python examples/openai_client.py                              # http://localhost:8000/v1
+    python examples/openai_client.py http://my-host:9000/v1       # or OPENAI_BASE_URL=...
 
 The response carries specserve's `spec_decode` figures next to the OpenAI fields.
 """
 
+import os
+import sys
+
 from openai import OpenAI
 
-# Modify OpenAI's API key and API base to use vLLM's API server.
+# Modify OpenAI's API key and API base to use vLLM's API server (here: the first argument,
+# else $OPENAI_BASE_URL, else the seed's localhost:8000).
 openai_api_key = "EMPTY"
-openai_api_base = "http://localhost:8000/v1"
+openai_api_base = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OPENAI_BASE_URL", "http://localhost:8000/v1")
 
 client = OpenAI(
     # defaults to os.environ.get("OPENAI_API_KEY")

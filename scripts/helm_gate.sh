@@ -12,6 +12,10 @@
 #                CRD kinds by a cloudcoil typed-model round trip, InferencePool against the schema
 #                vendored from the Gateway API Inference Extension's pinned CRD (tests/helm/schemas/)
 #                (scripts/helm/validate.py)
+#   quickstart   the install lines of README.md and docs/deploy.md (blocks marked <!-- helm-gate -->)
+#                rendered exactly as printed, one image name from docker build to the pod, every
+#                Secret they read created first, schema-validated; the chart's defaults (no
+#                image.repository) refuse to render (scripts/helm/quickstart_check.py)
 #   pytest       tests/helm: assertions over renders + values.schema.json rejections
 #   cli-compose  the rendered args composed by the real `specserve` CLI (SKIP where no Python
 #                with specserve+hydra is found: set SPECSERVE_PYTHON, default .venv/bin/python)
@@ -31,6 +35,9 @@ VPY="$TOOLS/venv-validate/bin/python"
 CHECKOV="$TOOLS/venv-checkov/bin/checkov"
 CHART="helm/specserve"
 GOLDEN_DIR="tests/helm/golden"
+# The chart renders only with image.repository set: the renders below that do not set it
+# themselves name this stand-in (a values file first, so a file's own image wins).
+IMAGE_VALUES="tests/helm/image-values.yaml"
 WORK="$TOOLS/gate-work"
 
 RELEASE=specserve
@@ -79,9 +86,9 @@ step() {
 do_lint() {
   local f rc=0
   for kv in "$RENDER_KUBE_VERSION" 1.29.0; do
-    "$HELM" lint --strict --kube-version "$kv" "$CHART" || rc=1
+    "$HELM" lint --strict --kube-version "$kv" "$CHART" -f "$IMAGE_VALUES" || rc=1
     for f in "$CHART"/ci/*-values.yaml; do
-      "$HELM" lint --strict --kube-version "$kv" "$CHART" -f "$f" || rc=1
+      "$HELM" lint --strict --kube-version "$kv" "$CHART" -f "$IMAGE_VALUES" -f "$f" || rc=1
     done
   done
   return $rc
@@ -97,11 +104,11 @@ render() {
 do_golden() {
   local rc=0 f name
   mkdir -p "$WORK/render"
-  render default "${CRD_APIS[@]}" || rc=1
-  render default-no-crds || rc=1
+  render default "${CRD_APIS[@]}" -f "$IMAGE_VALUES" || rc=1
+  render default-no-crds -f "$IMAGE_VALUES" || rc=1
   for f in "$CHART"/ci/*-values.yaml; do
     name="$(basename "$f" .yaml)"
-    render "$name" "${CRD_APIS[@]}" -f "$f" || rc=1
+    render "$name" "${CRD_APIS[@]}" -f "$IMAGE_VALUES" -f "$f" || rc=1
   done
   [ $rc = 0 ] || return 1
   if [ -n "${UPDATE_GOLDEN:-}" ]; then
@@ -135,6 +142,15 @@ do_kube_schema() {
   "$VPY" scripts/helm/validate.py "${args[@]}" "$WORK"/render/*.yaml
 }
 
+do_quickstart() {
+  local args=()
+  mkdir -p "$WORK/quickstart"
+  "$VPY" scripts/helm/quickstart_check.py --helm "$HELM" --out "$WORK/quickstart" \
+    --kube-version "$RENDER_KUBE_VERSION" README.md docs/deploy.md || return 1
+  for v in "${VALIDATE_KUBE_VERSIONS[@]}"; do args+=(-k "$v"); done
+  "$VPY" scripts/helm/validate.py "${args[@]}" "$WORK"/quickstart/*.yaml
+}
+
 do_pytest() {
   SPECSERVE_HELM_GATE=1 SPECSERVE_HELM="$HELM" "$VPY" -m pytest -c scripts/helm/pytest.ini \
     --rootdir "$ROOT" --confcutdir tests/helm -q tests/helm
@@ -160,7 +176,7 @@ do_cli_compose() {
   fi
   echo "using $py"
   timeout 300 "$py" scripts/helm/cli_compose_check.py \
-    "$WORK"/render/default.yaml "$WORK"/render/*-values.yaml
+    "$WORK"/render/default.yaml "$WORK"/render/*-values.yaml "$WORK"/quickstart/*.yaml
 }
 
 do_cpu_run() {
@@ -173,16 +189,21 @@ do_cpu_run() {
 }
 
 do_checkov() {
-  local rc=0 out ck
+  local rc=0 out ck ckc
   # checkov silently skips paths under hidden directories (.tools/...): scan a temp copy.
   ck="$(mktemp -d "${TMPDIR:-/tmp}/helm-gate-checkov.XXXXXX")"
   cp "$WORK"/render/*.yaml "$ck/"
+  # checkov renders the chart with its own values: a copy whose values name the stand-in image.
+  ckc="$(mktemp -d "${TMPDIR:-/tmp}/helm-gate-checkov-chart.XXXXXX")/specserve"
+  cp -r "$CHART" "$ckc"
+  sed -i 's|^  repository: ""$|  repository: registry.example.com/specserve|' "$ckc/values.yaml"
+  grep -q '^  repository: registry.example.com/specserve$' "$ckc/values.yaml" || { echo "cannot set the image in the checkov copy"; rc=1; }
   # 1) checkov's helm runner renders the chart itself (default values) with the helm on PATH.
   # 2) every golden render (all CI profiles) as plain Kubernetes objects.
   # 3) the container images' Dockerfiles (docker/).
   for fw in helm kubernetes dockerfile; do
     case $fw in
-      helm) out="$(PATH="$TOOLS/bin:$PATH" "$CHECKOV" --config-file helm/.checkov.yaml -d "$CHART" --framework helm 2>&1)" || rc=1 ;;
+      helm) out="$(PATH="$TOOLS/bin:$PATH" "$CHECKOV" --config-file helm/.checkov.yaml -d "$ckc" --framework helm 2>&1)" || rc=1 ;;
       kubernetes) out="$("$CHECKOV" --config-file helm/.checkov.yaml -d "$ck" --framework kubernetes 2>&1)" || rc=1 ;;
       dockerfile) out="$("$CHECKOV" --config-file helm/.checkov.yaml -d docker --framework dockerfile 2>&1)" || rc=1 ;;
     esac
@@ -193,7 +214,7 @@ do_checkov() {
       rc=1
     fi
   done
-  rm -rf "$ck"
+  rm -rf "$ck" "$(dirname "$ckc")"
   echo "checkov: helm chart, $(ls "$WORK"/render/*.yaml | wc -l) renders and docker/ scanned, rc=$rc"
   return $rc
 }
@@ -217,6 +238,7 @@ if [ -n "$(ls "$WORK"/render/*.yaml 2>/dev/null)" ]; then
 else
   step kube-schema false
 fi
+step quickstart do_quickstart
 step pytest do_pytest
 step cli-compose do_cli_compose
 step cpu-run do_cpu_run

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import time
@@ -31,7 +32,8 @@ def _engine(dtype: str):
     from specserve.cli import compose_config
     from specserve.engine.engine import LLMEngine
 
-    cfg = compose_config(["+method=ngram", f"model.dtype={dtype}"])
+    serve_args = os.environ.get("SERVE_ARGS", "+method=ngram").split()  # load_run.sh's knob
+    cfg = compose_config([*serve_args, f"model.dtype={dtype}"])
     return LLMEngine(cfg)
 
 

@@ -19,6 +19,10 @@
 #        DTYPE=float32 bash scripts/load_run.sh
 # Knobs (env): DTYPE CLIENTS DURATION_S CANCEL_FRACTION BAD_FRACTION HOSTILE_FRACTION MAX_TOKENS
 #              SIG_CLIENTS SIG_DURATION_S SIGTERM_AFTER_S DRAIN_TIMEOUT_S OUT
+#              SERVE_ARGS (default "+method=ngram": the server's and the references' overrides)
+#              TRANSCRIBE_FRACTION AUDIO_DIR (speech models: transcriptions mixed in), e.g.
+#   SERVE_ARGS="model=smollm2-135m-speech +method=ctc" DTYPE=float32 TRANSCRIBE_FRACTION=0.2 \
+#       AUDIO_DIR=tests/fixtures/speech bash scripts/load_run.sh
 # Outputs under $OUT (default results/): load-ngram[-DTYPE].json, load-sigterm[-DTYPE].json,
 # load-metrics[-DTYPE].json, load-reference[-DTYPE].json (+ -ids.json), server logs.
 # Exit code: 0 when every check passed.
@@ -33,6 +37,10 @@ CANCEL_FRACTION=${CANCEL_FRACTION:-0.1}
 BAD_FRACTION=${BAD_FRACTION:-0.05}
 HOSTILE_FRACTION=${HOSTILE_FRACTION:-0.05}
 MAX_TOKENS=${MAX_TOKENS:-32}
+SERVE_ARGS=${SERVE_ARGS:-+method=ngram}
+TRANSCRIBE_FRACTION=${TRANSCRIBE_FRACTION:-0}
+AUDIO_DIR=${AUDIO_DIR:-}
+export SERVE_ARGS
 SIG_CLIENTS=${SIG_CLIENTS:-16}
 SIG_DURATION_S=${SIG_DURATION_S:-30}
 SIGTERM_AFTER_S=${SIGTERM_AFTER_S:-12}
@@ -57,7 +65,8 @@ trap cleanup EXIT
 log() { echo "[load_run $(date +%H:%M:%S)] $*"; }
 
 start_server() {  # $1 grpc port, $2 http port, $3 log file
-    .venv/bin/specserve +method=ngram "model.dtype=$DTYPE" server.host=127.0.0.1 \
+    # shellcheck disable=SC2086  # SERVE_ARGS: several overrides
+    .venv/bin/specserve $SERVE_ARGS "model.dtype=$DTYPE" server.host=127.0.0.1 \
         "server.grpc_port=$1" "server.http_port=$2" "server.drain_timeout_s=$DRAIN_TIMEOUT_S" >"$3" 2>&1 &
     SERVER_PID=$!
     log "server pid $SERVER_PID (gRPC $1, HTTP $2), log $3"
@@ -84,6 +93,7 @@ log "load: $CLIENTS clients, ${DURATION_S}s, cancel $CANCEL_FRACTION, bad $BAD_F
 .venv/bin/specserve-loadgen --grpc-target "127.0.0.1:$GRPC1" --http-url "http://127.0.0.1:$HTTP1" \
     --clients "$CLIENTS" --duration-s "$DURATION_S" --cancel-fraction "$CANCEL_FRACTION" \
     --bad-fraction "$BAD_FRACTION" --hostile-fraction "$HOSTILE_FRACTION" --bad-grammar \
+    --transcribe-fraction "$TRANSCRIBE_FRACTION" ${AUDIO_DIR:+--audio-dir "$AUDIO_DIR"} \
     --max-tokens "$MAX_TOKENS" --temperature 0 --reference "$REF" \
     --output "$OUT/load-ngram$SUFFIX.json" >/dev/null
 LOAD_RC=$?
@@ -111,6 +121,7 @@ log "load: $SIG_CLIENTS clients, ${SIG_DURATION_S}s; SIGTERM after ${SIGTERM_AFT
 .venv/bin/specserve-loadgen --grpc-target "127.0.0.1:$GRPC2" --http-url "http://127.0.0.1:$HTTP2" \
     --clients "$SIG_CLIENTS" --duration-s "$SIG_DURATION_S" --cancel-fraction "$CANCEL_FRACTION" \
     --bad-fraction "$BAD_FRACTION" --hostile-fraction "$HOSTILE_FRACTION" --bad-grammar \
+    --transcribe-fraction "$TRANSCRIBE_FRACTION" ${AUDIO_DIR:+--audio-dir "$AUDIO_DIR"} \
     --max-tokens "$MAX_TOKENS" --temperature 0 --reference "$REF" \
     --expect-shutdown --output "$OUT/load-sigterm-loadgen$SUFFIX.json" >/dev/null &
 LG_PID=$!

@@ -399,6 +399,10 @@ def select_prompts(engine: LLMEngine, b: BenchConfig, cache: Path | None) -> lis
 
 def run_bench(cfg: Config) -> int:
     b = cfg.bench
+    if b.dataset == "audio":  # speech models: WER and RTFx (specserve.bench_audio)
+        from specserve.bench_audio import run_audio_bench
+
+        return run_audio_bench(cfg)
     device = resolve_device(cfg.engine.device)
     if cfg.engine.num_threads is not None:
         torch.set_num_threads(cfg.engine.num_threads)

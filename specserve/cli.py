@@ -41,10 +41,12 @@ def _run(argv: list[str] | None, body: Callable[[Config], int], prog: str = "spe
 
 
 def _serve(cfg: Config) -> int:
-    from specserve.engine.async_engine import build_async_engine
-    from specserve.server import run_server
+    from specserve.server import check_ports, run_server
 
     logging.getLogger().setLevel(cfg.server.log_level)
+    check_ports(cfg.server)  # a port in use fails now, not after minutes of model loading
+    from specserve.engine.async_engine import build_async_engine
+
     engine = build_async_engine(cfg)
     if cfg.parallelism.tensor_parallel_size == 1:
         from specserve.server.lifecycle import exit_process

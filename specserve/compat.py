@@ -132,8 +132,11 @@ def model_overrides(model: Any, served_model_name: Any = None) -> list[str]:
             aliases.append(m)
         elif (name := _embedded_name(m)) is not None:
             out += [override("model.path", f"embedded:{name}"), override("model.name", name)]
-        else:
-            out += [override("model.path", m), override("model.name", m)]
+        else:  # a path, or a Hugging Face id (served as org/name; org/name@revision answers too)
+            from specserve.hub import parse_id
+
+            hub = parse_id(m)
+            out += [override("model.path", m), override("model.name", hub[0] if hub else m)]
     if served_model_name is not None:
         names = list(served_model_name) if isinstance(served_model_name, (list, tuple)) else [served_model_name]
         if not names or not all(isinstance(n, str) and n for n in names):
@@ -358,8 +361,6 @@ def compose(overrides: list[str], config_dir: Any = None):
 # vLLM SamplingParams keywords this build does not implement: accepted only at the
 # value that changes nothing, else one line saying so.
 _UNIMPLEMENTED_SAMPLING: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1, None), "one completion per request: submit the prompt several times (with different seeds)"),
-    "best_of": ((None, 1), "one completion per request"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
     "detokenize": ((True,), "text is always produced"),
     "guided_decoding": ((None,), "removed from vLLM: use structured_outputs=StructuredOutputsParams(...)"),
@@ -404,11 +405,34 @@ def sampling_params_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+MAX_CHOICES = 16  # n and best_of: completions per prompt (the HTTP API's limit too)
+
+
+def _choices(kwargs: dict[str, Any]) -> tuple[int, int]:
+    """vLLM's ``n`` (completions returned per prompt) and ``best_of`` (candidates generated,
+    the n with the highest cumulative log-probability returned; None = n), checked."""
+    n, best_of = kwargs.pop("n", 1), kwargs.pop("best_of", None)
+    for key, value in (("n", n), ("best_of", best_of)):
+        if value is None and key == "best_of":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+            raise UnsupportedArgumentError(key, f"SamplingParams({key}=...) must be an integer in [1, {MAX_CHOICES}], "
+                                                f"got {value!r}")
+    n = 1 if n is None else n
+    if best_of is not None and best_of < n:
+        raise UnsupportedArgumentError("best_of", f"SamplingParams(best_of={best_of}) must be >= n ({n})")
+    return n, best_of if best_of is not None else n
+
+
 class SamplingParams(request.SamplingParams):
     """vLLM's ``SamplingParams``: a ``specserve.request.SamplingParams`` made from vLLM's
     keywords by ``sampling_params_kwargs`` (one ``stop`` string, ``None`` lists, no-op vLLM
-    keywords dropped; anything else a one-line ``UnsupportedArgumentError``).  The engine
-    treats it as the plain class: the translation is all this subclass adds."""
+    keywords dropped; anything else a one-line ``UnsupportedArgumentError``), plus vLLM's
+    ``n`` and ``best_of``, which ``LLM.generate`` reads (each choice is its own engine
+    request; choice i > 0 of a seeded request samples with seed + i, as the HTTP API's do).
+    The engine treats it as the plain class."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        n, best_of = _choices(kwargs)
         super().__init__(*args, **sampling_params_kwargs(request.SamplingParams, kwargs))
+        self.n, self.best_of = n, best_of

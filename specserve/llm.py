@@ -218,9 +218,11 @@ def _prompt_list(prompts: Any) -> list[Any]:
     )
 
 
-def _params_list(params: Any, n: int) -> list[SamplingParams]:
+def _params_list(params: Any, n: int, defaults: dict[str, Any] | None = None) -> list[SamplingParams]:
+    """``defaults``: what ``None`` means besides SamplingParams' own defaults (the model's
+    generation_config.json, as vLLM's ``get_default_sampling_params``)."""
     if params is None:
-        return [SamplingParams() for _ in range(n)]
+        return [SamplingParams(**(defaults or {})) for _ in range(n)]
     if isinstance(params, request.SamplingParams):  # vLLM-spelled (compat's) or plain
         return [params] * n
     if isinstance(params, (list, tuple)) and all(isinstance(p, request.SamplingParams) for p in params):
@@ -366,6 +368,11 @@ class LLM:
         """The Hugging Face tokenizer (as vLLM's ``LLM.get_tokenizer``)."""
         return self.tokenizer.hf
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``sampling_params=None`` means: SamplingParams' defaults with the model's
+        generation_config.json over them (``model.generation_config``), as in vLLM."""
+        return SamplingParams(**self.info.sampling_defaults)
+
     def generate(
         self,
         prompts: Any,
@@ -383,7 +390,7 @@ class LLM:
         ``add_special_tokens``: a text prompt gets the tokenizer's special tokens (e.g. BOS)."""
         items = _prompt_list(prompts)
         encoded = [self._prompts.encode(p, i, add_special_tokens) for i, p in enumerate(items)]
-        params = _params_list(sampling_params, len(items))
+        params = _params_list(sampling_params, len(items), self.info.sampling_defaults)
         if any(sp.thinking_token_budget is not None and sp.reasoning is None for sp in params):
             from specserve.formats.chat import ChatPlan
 
@@ -420,7 +427,8 @@ class LLM:
                                     parallel_tool_calls=parallel_tool_calls,
                                     chat_template_kwargs=chat_template_kwargs)  # fmt: skip
         encoded = [self._prompts.chat(c, i, plan, add_special_tokens) for i, c in enumerate(convs)]
-        params = [self._planned(plan, sp, ids) for sp, (_, ids) in zip(_params_list(sampling_params, len(convs)), encoded)]
+        params = [self._planned(plan, sp, ids) for sp, (_, ids)
+                  in zip(_params_list(sampling_params, len(convs), self.info.sampling_defaults), encoded)]
         outs = self._run(encoded, params, use_tqdm)
         if plan.parses_tools or plan.reasoning_on:
             for out, (_, ids) in zip(outs, encoded):
@@ -462,6 +470,15 @@ class LLM:
     ) -> list[GenerationOutput]:
         return await asyncio.to_thread(self.chat, messages, sampling_params, use_tqdm=use_tqdm)
 
+    def transcribe(self, audio: Any, *, language: str | None = None, prompt: str | None = None,
+                   temperature: float = 0.0, seed: int | None = None) -> list[Any]:
+        """Transcribe recordings with a speech model (``specserve.audio.offline``): ``audio`` is a
+        path, the bytes of an audio file or ``(samples, sample_rate)``, or a list of them;
+        returns one ``Transcription`` (text, segments, duration_s, ctc_stages) per recording."""
+        from specserve.audio.offline import transcribe
+
+        return transcribe(self, audio, language=language, prompt=prompt, temperature=temperature, seed=seed)
+
     def _run(
         self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: Any
     ) -> list[GenerationOutput]:
@@ -472,13 +489,22 @@ class LLM:
         encoded = [self._prompts.truncated(e, sp) for e, sp in zip(encoded, params)]
         with self._lock:
             base = f"llm-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-            ids = [f"{base}-{i}" for i in range(len(encoded))]
-            convs = {rid: _Converted(lp, text, p_ids, sp) for rid, (text, p_ids), sp in zip(ids, encoded, params)}
+            prompts = [f"{base}-{i}" for i in range(len(encoded))]
+            # Each choice (n, best_of) is its own engine request: (prompt, choice) -> params.
+            jobs: list[tuple[str, int, SamplingParams]] = []
+            for i, (pid, sp) in enumerate(zip(prompts, params)):
+                sub = _choice_params(sp)
+                jobs += [(f"{pid}-{c}" if len(sub) > 1 else pid, i, one) for c, one in enumerate(sub)]
+            ids = [rid for rid, _, _ in jobs]
+            owner = {rid: i for rid, i, _ in jobs}
+            left = [sum(1 for _, j, _ in jobs if j == i) for i in range(len(prompts))]
+            convs = {rid: _Converted(lp, encoded[i][0], encoded[i][1], sp) for rid, i, sp in jobs}
             final: dict[str, RequestOutput] = {}
             added: list[str] = []
-            bar = _progress(use_tqdm, len(ids))
+            bar = _progress(use_tqdm, len(prompts))
             try:
-                for rid, (_, prompt_ids), sp in zip(ids, encoded, params):
+                for rid, i, sp in jobs:
+                    prompt_ids = encoded[i][1]
                     eng.add_request(rid, prompt_ids, self._prompts.params_for(sp, len(prompt_ids)))
                     added.append(rid)
                 n_out, start = 0, time.monotonic()
@@ -491,7 +517,9 @@ class LLM:
                             n_out += len(out.token_ids)
                             if bar is not None:
                                 bar.set_postfix_str(f"output: {n_out / max(time.monotonic() - start, 1e-9):.1f} toks/s")
-                                bar.update(1)
+                                left[owner[out.request_id]] -= 1
+                                if not left[owner[out.request_id]]:  # a prompt is done when all its choices are
+                                    bar.update(1)
                         elif (conv := convs.get(out.request_id)) is not None and conv.wants:
                             conv.absorb(out)
             except BaseException:
@@ -502,7 +530,50 @@ class LLM:
             finally:
                 if bar is not None:
                     bar.close()
-        return [convs[rid](final[rid]) for rid in ids]
+        outs = []
+        for i, pid in enumerate(prompts):
+            mine = [(convs[rid](final[rid]), sp) for rid, j, sp in jobs if j == i]
+            outs.append(_merge_choices(pid, [o for o, _ in mine], params[i]))
+        return outs
+
+
+def _choice_params(params: SamplingParams) -> list[SamplingParams]:
+    """One engine request's params per candidate of ``params`` (vLLM's ``n``/``best_of``:
+    ``best_of`` candidates, default ``n``).  Candidate i > 0 of a seeded request samples
+    with seed + i (the HTTP API's rule); ranking best_of > n needs log-probabilities."""
+    n, best_of = getattr(params, "n", 1), getattr(params, "best_of", None) or getattr(params, "n", 1)
+    if best_of == 1:
+        return [params]
+    out = []
+    for c in range(best_of):
+        sp = replace(params)  # a copy (vLLM's n/best_of are read from ``params`` only)
+        if params.seed is not None and c:
+            sp.seed = params.seed + c if params.seed + c <= request.SEED_MAX else params.seed - c
+        if best_of > n and sp.logprobs is None:
+            sp.logprobs = 0
+        out.append(sp)
+    return out
+
+
+def _merge_choices(request_id: str, outs: list[GenerationOutput], params: SamplingParams) -> GenerationOutput:
+    """The candidates of one prompt -> one ``GenerationOutput`` with ``n`` completions
+    (indexes 0..n-1; with best_of > n, the n of highest cumulative log-probability)."""
+    if len(outs) == 1:
+        return outs[0]
+    n = getattr(params, "n", 1)
+    choices = [o.outputs[0] for o in outs]
+    if len(choices) > n:
+        choices = sorted(choices, key=lambda c: c.cumulative_logprob or 0.0, reverse=True)[:n]
+        if params.logprobs is None:  # asked only for the ranking
+            for c in choices:
+                c.logprobs, c.cumulative_logprob = None, None
+    for i, c in enumerate(choices):
+        c.index = i
+    stats = SpecDecodeStats(sum(o.num_drafts for o in outs), sum(o.num_draft_tokens for o in outs),
+                            sum(o.num_accepted_tokens for o in outs))
+    first = outs[0]
+    return GenerationOutput(request_id, first.prompt, first.prompt_token_ids, choices,
+                            all(o.finished for o in outs), stats, first.prompt_logprobs)
 
 
 def _parse_answer(plan: Any, tokenizer: Any, prompt_ids: list[int], out: CompletionOutput) -> None:
@@ -608,7 +679,7 @@ class AsyncLLM:
     ) -> list[GenerationOutput]:
         """All prompts at once (batched by the engine); final outputs in prompt order."""
         items = _prompt_list(prompts)
-        params = _params_list(sampling_params, len(items))
+        params = _params_list(sampling_params, len(items), self.info.sampling_defaults)
         encoded = [self._prompts.encode(p, i) for i, p in enumerate(items)]
         return list(await asyncio.gather(*(self._final(t, ids, sp) for (t, ids), sp in zip(encoded, params))))
 
@@ -622,7 +693,10 @@ class AsyncLLM:
     async def _stream(
         self, text: str | None, ids: list[int], params: SamplingParams | None, request_id: str | None
     ) -> AsyncIterator[GenerationOutput]:
-        params = params if params is not None else SamplingParams()
+        if params is not None and getattr(params, "best_of", None) not in (None, 1):
+            raise InvalidRequestError("n", "AsyncLLM streams one completion per request; use LLM.generate for "
+                                           "n or best_of > 1")
+        params = params if params is not None else SamplingParams(**self.info.sampling_defaults)
         text, ids = self._prompts.truncated((text, ids), params)
         params = self._prompts.params_for(params, len(ids))
         if params.structured_outputs is not None and params.compiled_grammar is None:

@@ -7,7 +7,9 @@ share of requests cancels mid-stream, a share sends bad input that must be
 refused with INVALID_ARGUMENT / 400 (malformed JSON / protobuf, out-of-range
 fields, a gzip-labelled body that is not gzip, an 8 KB model name, a 1 MB
 request id full of control characters, a grammar over the compile budget ...),
-and a share (``--hostile-fraction``) sends valid but adversarial requests that
+a share (``--transcribe-fraction``, speech models) transcribes the recordings of
+``--audio-dir`` (HTTP ``/v1/audio/transcriptions``, gRPC ``Transcribe``), every third one
+a bad upload that must be refused, and a share (``--hostile-fraction``) sends valid but adversarial requests that
 must simply complete: a stream forced to U+FFFD by ``logit_bias`` (the
 detokenizer's worst case), chat content that spells the template's control
 tokens, a JSON-schema request with n = 2, a seeded sampled request.  The
@@ -54,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import os
 import json
 import os
 import random
@@ -178,6 +181,8 @@ class Options:
     hostile_fraction: float = 0.0
     hostile_token_id: int = 24211  # U+FFFD in the embedded SmolLM2 vocabulary
     bad_grammar: bool = False  # add a grammar over the size budget to the bad inputs
+    transcribe_fraction: float = 0.0  # speech models: transcriptions of `audio` files
+    audio: tuple[bytes, ...] = ()
 
 
 # --------------------------------------------------------------------------- gRPC client
@@ -237,8 +242,31 @@ class GrpcClient:
         ]
         return hostile[i % len(hostile)]
 
+    async def transcribe(self, n: int) -> Result:
+        """A Transcribe call: every third one an upload that is not audio (INVALID_ARGUMENT)."""
+        bad = n % 3 == 2
+        res = Result("grpc", "ok", prompt=f"audio:{n}", mode="bad" if bad else "transcribe")
+        data = b"not audio" if bad else self.opts.audio[n % len(self.opts.audio)]
+        start = time.perf_counter()
+        try:
+            r = await self.stub.Transcribe(self.pb.TranscribeRequest(file=data), metadata=self.metadata,
+                                           timeout=self.opts.timeout_s)
+            res.accepted, res.text, res.finish_reason = True, r.text, "stop"
+            res.mark_chunk(start, time.perf_counter())
+            if bad:
+                res.kind, res.error, res.expected = "error", "bad_input_accepted", False
+        except self.grpc.aio.AioRpcError as exc:
+            kind = _GRPC_KINDS.get(exc.code().name, exc.code().name.lower())
+            res.kind, res.error, res.detail = "error", kind, (exc.details() or "")[:300]
+            res.expected = (bad and kind == "invalid_argument") or kind == "queue_full" or (
+                self.opts.expect_shutdown and _grpc_refusal(exc.code().name, exc.details() or "") is not None)
+        res.e2e_s = time.perf_counter() - start
+        return res
+
     async def run(self, prompt: str, mode: str, rng: random.Random, n: int) -> Result:
         pb, opts = self.pb, self.opts
+        if mode == "transcribe":
+            return await self.transcribe(n)
         res = Result("grpc", "ok", prompt=prompt, mode=mode)
         if mode == "bad":
             request = self._bad_request(n)
@@ -349,10 +377,42 @@ class HttpClient:
         path, body = hostile[i % len(hostile)]
         return path, {**body, "stream": True, "stream_options": {"include_usage": True}}
 
+    async def transcribe(self, n: int) -> Result:
+        """A /v1/audio/transcriptions upload: every third one not audio (a 400 naming file)."""
+        import aiohttp
+
+        bad = n % 3 == 2
+        res = Result("http", "ok", prompt=f"audio:{n}", mode="bad" if bad else "transcribe")
+        form = aiohttp.FormData()
+        form.add_field("file", b"not audio" if bad else self.opts.audio[n % len(self.opts.audio)],
+                       filename="a.wav", content_type="audio/wav")
+        start = time.perf_counter()
+        try:
+            async with self.session.post(f"{self.base}/v1/audio/transcriptions", data=form, headers=self.headers,
+                                         ssl=self.ssl, timeout=aiohttp.ClientTimeout(total=self.opts.timeout_s)) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    kind = _HTTP_KINDS.get(resp.status, f"http_{resp.status}")
+                    res.kind, res.error, res.detail = "error", kind, raw[:300].decode(errors="replace")
+                    res.expected = (bad and kind == "invalid_argument") or kind == "queue_full" or (
+                        self.opts.expect_shutdown and resp.status == 503)
+                else:
+                    res.accepted, res.text, res.finish_reason = True, json.loads(raw)["text"], "stop"
+                    res.mark_chunk(start, time.perf_counter())
+                    if bad:
+                        res.kind, res.error, res.expected = "error", "bad_input_accepted", False
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            res.kind, res.error, res.detail = "error", f"http_{type(exc).__name__}", str(exc)[:300]
+            res.expected = self.opts.expect_shutdown and not res.accepted
+        res.e2e_s = time.perf_counter() - start
+        return res
+
     async def run(self, prompt: str, mode: str, rng: random.Random, n: int) -> Result:
         import aiohttp
 
         opts = self.opts
+        if mode == "transcribe":
+            return await self.transcribe(n)
         res = Result("http", "ok", prompt=prompt, mode=mode)
         path, extra_headers = "/v1/completions", {}
         if mode == "bad":
@@ -495,7 +555,8 @@ async def run_load(args: argparse.Namespace, prompts: list[str], reference: dict
 
     opts = Options(args.max_tokens, args.temperature, args.api_key, args.request_timeout_s,
                    args.cancel_fraction, args.bad_fraction, args.expect_shutdown, args.hostile_fraction,
-                   args.hostile_token_id, args.bad_grammar)  # fmt: skip
+                   args.hostile_token_id, args.bad_grammar, args.transcribe_fraction,
+                   _audio_files(args.audio_dir))  # fmt: skip
     session = aiohttp.ClientSession()
     grpc_client = GrpcClient(args.grpc_target, opts, args.ca_file) if args.grpc_target else None
     http_client = HttpClient(args.http_url, opts, args.ca_file, session) if args.http_url else None
@@ -516,6 +577,8 @@ async def run_load(args: argparse.Namespace, prompts: list[str], reference: dict
                 mode = "cancel"
             elif r < opts.bad_fraction + opts.cancel_fraction + opts.hostile_fraction:
                 mode = "hostile"
+            elif r < opts.bad_fraction + opts.cancel_fraction + opts.hostile_fraction + opts.transcribe_fraction:
+                mode = "transcribe"
             else:
                 mode = "normal"
             res = await client.run("" if mode == "hostile" else prompt, mode, rng, n)
@@ -571,7 +634,8 @@ def summarize(results: list[Result], wall_s: float, reference: dict[str, str], t
     return {
         "duration_s": round(wall_s, 3),
         "requests": {"total": len(results), "ok": len(ok), "cancelled": expected["cancelled"],
-                     "by_protocol": dict(Counter(r.protocol for r in results))},  # fmt: skip
+                     "by_protocol": dict(Counter(r.protocol for r in results)),
+                     "by_mode": dict(Counter(r.mode for r in results))},  # fmt: skip
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
         "completion_tokens": tokens,
@@ -603,6 +667,17 @@ def _distinct(mismatches: list[dict[str, Any]], limit: int = 50) -> list[dict[st
     return [{**first[key], "occurrences": n} for key, n in counts.most_common(limit)]
 
 
+def _audio_files(directory: str | None) -> tuple[bytes, ...]:
+    if not directory or not os.path.isdir(directory):
+        return ()
+    names = sorted(f for f in os.listdir(directory) if f.lower().endswith((".wav", ".flac")))
+    out = []
+    for name in names:
+        with open(os.path.join(directory, name), "rb") as f:
+            out.append(f.read())
+    return tuple(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve-loadgen", description=__doc__.split("\n\n")[0])
     p.add_argument("--grpc-target", help="host:port of the gRPC server (loopback only)")
@@ -617,6 +692,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the token the U+FFFD stream is forced to (24211: U+FFFD in SmolLM2's vocabulary)")
     p.add_argument("--bad-grammar", action="store_true",
                    help="add a grammar over the server's size budget to the bad inputs (a real engine only)")
+    p.add_argument("--transcribe-fraction", type=float, default=0.0,
+                   help="share of transcriptions of --audio-dir's recordings (speech models)")
+    p.add_argument("--audio-dir", help="recordings (*.wav, *.flac) for --transcribe-fraction")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (needed for --reference checks)")
     p.add_argument("--prompts-file", help="one prompt per line (default: a built-in list)")
@@ -639,11 +717,13 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--clients must be in 1..{MAX_CLIENTS}, got {args.clients}")
     if not 0 < args.duration_s <= MAX_DURATION_S:
         p.error(f"--duration-s must be in (0, {MAX_DURATION_S:.0f}], got {args.duration_s}")
-    for name in ("cancel_fraction", "bad_fraction", "hostile_fraction"):
+    for name in ("cancel_fraction", "bad_fraction", "hostile_fraction", "transcribe_fraction"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
-    if args.cancel_fraction + args.bad_fraction + args.hostile_fraction > 1.0:
-        p.error("--cancel-fraction + --bad-fraction + --hostile-fraction must be <= 1")
+    if args.cancel_fraction + args.bad_fraction + args.hostile_fraction + args.transcribe_fraction > 1.0:
+        p.error("--cancel-fraction + --bad-fraction + --hostile-fraction + --transcribe-fraction must be <= 1")
+    if args.transcribe_fraction > 0 and not _audio_files(args.audio_dir):
+        p.error("--transcribe-fraction needs --audio-dir with *.wav or *.flac recordings")
     if args.max_tokens < 1:
         p.error("--max-tokens must be >= 1")
     if not 0.0 <= args.temperature <= 2.0:  # NaN fails this too

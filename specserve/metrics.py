@@ -45,6 +45,13 @@ Derived figures (PromQL; use the same range everywhere)::
     # p99 time to first token
     histogram_quantile(0.99, sum by (le) (rate(specserve_time_to_first_token_seconds_bucket[5m])))
 
+Speech (``+method=ctc``)::
+
+    specserve_ctc_requests_total{stage, lossless}   transcriptions (segments) by the stage that settled
+                                                   them: entropy (the CTC text, no LLM forward), verified
+                                                   (the one-pass verification), decoded; lossless="false"
+                                                   under method.ctc_acceptance=relaxed
+
 Kernels (``engine.attention_backend``, ``engine.rejection_backend``)::
 
     specserve_backend_info{attention, rejection}   1; "triton", or "torch" where the Triton kernel
@@ -111,6 +118,10 @@ prompt and generated tokens per finished request, vLLM's 1-2-5 buckets) exist fo
 specserve-only (no vLLM counterpart): the acceptance-length histogram, the config info,
 the chosen K, request errors and the suffix cache gauges.
 
+``server.metric_names`` chooses the names: ``both`` (the default), ``vllm`` (vLLM's names, and
+``specserve_*`` only for the series vLLM has no name for) or ``specserve``.  ``exposition``
+renders the registry without prometheus_client's ``*_created`` timestamp series.
+
 ``docs/metrics.md`` repeats this list for operators.
 """
 
@@ -119,7 +130,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from specserve.engine.stats import RequestFinishedStats, StepStats
 
@@ -173,6 +184,27 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
+METRIC_NAMES = ("both", "vllm", "specserve")  # server.metric_names
+
+
+class _WithoutCreated:
+    """A registry's families without the ``*_created`` samples (creation timestamps that
+    prometheus_client adds to every counter and histogram: noise for every dashboard)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """What ``/metrics`` serves: the Prometheus text format, without ``*_created`` series."""
+    return generate_latest(_WithoutCreated(registry))  # type: ignore[arg-type]
+
+
 class _Twins:
     """Children of one specserve family and of its vLLM-named families, updated together."""
 
@@ -203,10 +235,8 @@ class _TwinFamilies:
         self._theirs, self._their_values = theirs, their_values
 
     def labels(self, **extra: str) -> _Twins:
-        return _Twins(
-            self._ours.labels(**self._our_values, **extra),
-            *(f.labels(**self._their_values, **extra) for f in self._theirs),
-        )
+        ours = [self._ours.labels(**self._our_values, **extra)] if self._ours is not None else []
+        return _Twins(*ours, *(f.labels(**self._their_values, **extra) for f in self._theirs))
 
 
 @dataclass(frozen=True)
@@ -230,7 +260,9 @@ class SpecServeMetrics:
     own thread while the servers render ``registry`` from the event loop.
     """
 
-    def __init__(self, registry: CollectorRegistry, identity: MetricsIdentity):
+    def __init__(self, registry: CollectorRegistry, identity: MetricsIdentity, names: str = "both"):
+        if names not in METRIC_NAMES:
+            raise ValueError(f"metric names must be one of {', '.join(METRIC_NAMES)}, got {names!r}")
         self.registry = registry
         self.identity = identity
         labels = ("model_name", "method")
@@ -241,14 +273,17 @@ class SpecServeMetrics:
         vllm_values = {"model_name": identity.model_name, "engine": VLLM_ENGINE}
 
         def families(cls: type, name: str, doc: str, extra: tuple[str, ...] = (), **kw: Any) -> tuple[Any, list]:
-            """The specserve family ``name`` and one family per vLLM name of it (VLLM_NAMES)."""
-            ours = cls(name, doc, labels + extra, registry=registry, **kw)
-            theirs = [cls(v, doc, vllm_labels + extra, registry=registry, **kw) for v in VLLM_NAMES.get(name, ())]
+            """The specserve family ``name`` and one family per vLLM name of it (VLLM_NAMES), as
+            ``names`` selects them: the specserve one is None under "vllm" when vLLM has a name."""
+            vllm_names = VLLM_NAMES.get(name, ()) if names != "specserve" else ()
+            ours = None if names == "vllm" and vllm_names else cls(name, doc, labels + extra, registry=registry, **kw)
+            theirs = [cls(v, doc, vllm_labels + extra, registry=registry, **kw) for v in vllm_names]
             return ours, theirs
 
         def twins(cls: type, name: str, doc: str, **kw: Any) -> _Twins:
             ours, theirs = families(cls, name, doc, **kw)
-            return _Twins(ours.labels(**values), *(f.labels(**vllm_values) for f in theirs))
+            mine = [ours.labels(**values)] if ours is not None else []
+            return _Twins(*mine, *(f.labels(**vllm_values) for f in theirs))
 
         def labelled(name: str, doc: str, extra: str) -> _TwinFamilies:
             ours, theirs = families(Counter, name, doc, (extra,))
@@ -321,6 +356,13 @@ class SpecServeMetrics:
         success = labelled("specserve_request_success", "Finished requests by reason.", "finished_reason")
         self.request_success = {r: success.labels(finished_reason=r) for r in FINISHED_REASONS}
         self._success_family = success
+        # +method=ctc: the stage that settled each transcription (entropy gate, one-pass
+        # verification, decoding); lossless="false" under relaxed acceptance.
+        self._ctc_family = Counter(
+            "specserve_ctc_requests", "Transcriptions by the +method=ctc stage that settled them.",
+            labels + ("stage", "lossless"), registry=registry,
+        )
+        self._ctc_lossless = "true" if identity.lossless else "false"
         self._errors_family = Counter(
             "specserve_request_errors", "Requests answered with an error status, by reason.", labels + ("reason",),
             registry=registry,
@@ -391,6 +433,9 @@ class SpecServeMetrics:
         self.e2e.observe(stats.e2e_latency_s)
         self.request_prompt_tokens.observe(stats.num_prompt_tokens)
         self.request_generation_tokens.observe(stats.num_generation_tokens)
+        stage = getattr(stats, "ctc_stage", None)
+        if stage is not None:
+            self._ctc_family.labels(**self._values, stage=stage, lossless=self._ctc_lossless).inc()
 
     # ------------------------------------------------------------------ server side
 

@@ -165,6 +165,9 @@ class SamplingParams:
     # Per-request speculation: a cap on this request's drafts per step (0 = off), or None
     # for the server's choice.  A dict of SpeculationParams' fields is taken too.
     speculation: SpeculationParams | None = None
+    # The recording of a transcription request (a specserve.audio.AudioClip, 16 kHz mono),
+    # attached by the audio doors; its prompt holds the model's audio positions.
+    audio: Any = field(default=None, repr=False, compare=False)
     # Reasoning models: at most this many tokens of reasoning, then its end is forced (vLLM's
     # thinking_token_budget; needs ``reasoning``); ``reasoning``: the markers, set by the front ends.
     thinking_token_budget: int | None = None
@@ -434,6 +437,10 @@ class SpecDecodeStats:
     # tokens that appear in the output, and those verified that do not.
     num_accepted_prediction_tokens: int = 0
     num_rejected_prediction_tokens: int = 0
+    # +method=ctc: the stage that settled the transcription ("entropy": the CTC text passed
+    # the entropy gate, no LLM forward; "verified": the one-pass verification accepted the
+    # hypothesis; "decoded": decoding went on past it); None for other requests.
+    ctc_stage: str | None = None
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -28,6 +28,7 @@ from specserve.compat import (
     engine_overrides,
 )
 from specserve.errors import SpecServeError
+from specserve.vllm_flags import VLLM_SWITCHES, VLLM_VALUED, flags_help, vllm_flag
 
 PROG = "specserve serve"
 
@@ -60,6 +61,10 @@ _SERVER_FLAGS = {
 _SHORT = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-h": "help"}
 _SWITCHES = {"dry-run", "help", "enforce-eager", "enable-auto-tool-choice"} | {
     k.replace("_", "-") for k in IGNORED_ENGINE_ARGS}
+
+# vLLM's everyday flags (specserve.vllm_flags): switches, valued flags, and what each becomes.
+_VLLM_SWITCHES = set(VLLM_SWITCHES)
+_VLLM_VALUED = set(VLLM_VALUED)
 _INT_FLAGS = {"tensor-parallel-size", "max-model-len", "seed", "port", "grpc-port", "pipeline-parallel-size"}
 _TEXT_FLAGS = {"model", "served-model-name", "host", "api-key", "ssl-certfile", "ssl-keyfile", "speculative-config",
                "dtype", "device", "cpu-kernel", "onednn-max-cpu-isa", "tool-call-parser", "reasoning-parser",
@@ -91,11 +96,12 @@ The vLLM-compatible form of `specserve`: options become Hydra overrides
   --enable-auto-tool-choice    server.enable_auto_tool_choice=true (already on wherever a format is known)
   --chat-template FILE         model.chat_template (a file, or the template's text)
   --default-chat-template-kwargs JSON  server.default_chat_template_kwargs, e.g. '{{"enable_thinking": false}}'
-  --trust-remote-code, --disable-log-stats: accepted, no effect
+  --trust-remote-code          accepted, no effect
   --dry-run                    print the translation and the composed config, then exit
   key=value                    any Hydra override, applied last
 Underscore spellings (--max_model_len) work too; so does --flag=value.
-"""
+vLLM's everyday flags:
+""" + flags_help() + "\n"
 
 
 def _split(arg: str) -> tuple[str, str | None]:
@@ -111,6 +117,7 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
     UnsupportedArgumentError / ConfigError with one line."""
     engine: dict[str, Any] = {}
     server: list[str] = []
+    notes: list[str] = []
     passthrough: list[str] = []
     config_dir: list[str] = []
     dry_run = False
@@ -130,6 +137,22 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
         key = name.replace("-", "_")
         if key in REMOVED_SPEC_KNOBS:
             raise UnsupportedArgumentError(key, _removed(key))
+        if name in _VLLM_SWITCHES or name in _VLLM_VALUED:  # vLLM's everyday flags: specserve.vllm_flags
+            if name in _VLLM_VALUED and value is None:
+                if i >= len(argv) or argv[i].startswith("--"):
+                    raise UnsupportedArgumentError(key, f"--{name} needs a value")
+                value = argv[i]
+                i += 1
+            elif name in ("enable-prefix-caching", "enable-chunked-prefill") and value is None and i < len(argv) \
+                    and argv[i].lower() in ("true", "false"):  # --enable-prefix-caching true
+                value = argv[i]
+                i += 1
+            flag_overrides, note, revision = vllm_flag(name, value)
+            server += flag_overrides
+            notes += [note] if note else []
+            if revision is not None:
+                engine["revision"] = revision
+            continue
         if name in _SWITCHES:
             if value is not None:
                 raise UnsupportedArgumentError(key, f"--{name} takes no value")
@@ -176,7 +199,17 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
             raise UnsupportedArgumentError(
                 "speculative_config", f"--speculative-config: not valid JSON ({e})"
             ) from None
-    overrides, notes = engine_overrides(speculative_config=spec, where="serve", **engine)
+    revision = engine.pop("revision", None)
+    if revision is not None:  # --revision R: the model id pinned, org/name@R
+        model = engine.get("model")
+        from specserve.hub import parse_id
+
+        if not isinstance(model, str) or parse_id(model) is None or "@" in model:
+            raise UnsupportedArgumentError("revision", "--revision pins a Hugging Face id given as MODEL (org/name); "
+                                                       f"got {model!r}")
+        engine["model"] = f"{model}@{revision}"
+    overrides, engine_notes = engine_overrides(speculative_config=spec, where="serve", **engine)
+    notes = engine_notes + notes
     given = {o.partition("=")[0].lstrip("+") for o in server + passthrough}
     if "server.http_port" in given and "server.grpc_port" not in given:
         # vLLM has only the HTTP port: a second server started with another --port must not

@@ -9,9 +9,10 @@ reads the method registry, not the config):
    as vLLM does: ``model.path=<dir>`` with no method becomes
    ``+method=<algorithm> method.model=<dir>`` with K from its default proposal
    method and ``model.path`` = its verifier.  The verifier must be local:
-   ``verifier.name_or_path`` is used when it is ``embedded:<name>`` or an
+   ``verifier.name_or_path`` is used when it is ``embedded:<name>``, an
    existing directory (absolute, or relative to the checkpoint or the working
-   directory); a hub id fails with one line saying how to pass the verifier.
+   directory) or a Hugging Face id in the Hugging Face cache (``specserve.hub``);
+   otherwise it fails with one line saying how to pass the verifier.
 2. ``+method=eagle3`` with no head on a target that ships one (the embedded
    SmolLM2) selects that head (``DEFAULT_HEADS``).
 """
@@ -65,10 +66,15 @@ def _verifier_path(cfg: dict[str, Any], head_dir: str) -> str:
     for cand in (Path(name).expanduser(), Path(head_dir).expanduser() / name):
         if cand.is_dir():
             return str(cand.resolve())
+    from specserve.hub import cached_snapshot, parse_id
+
+    hub_id = parse_id(name)
+    if hub_id is not None and (snapshot := cached_snapshot(*hub_id)) is not None:  # in the Hugging Face cache
+        return str(snapshot)
     raise ConfigError(
         "model.path",
-        f"{head_dir} is a speculators checkpoint whose verifier {name!r} is not a local model (nothing is "
-        f"downloaded); serve it as model.path=<the verifier's local directory> +method="
+        f"{head_dir} is a speculators checkpoint whose verifier {name!r} is not a local model (nor in the "
+        f"Hugging Face cache; nothing is downloaded); serve it as model.path=<the verifier's local directory> +method="
         f"{cfg['speculators_config'].get('algorithm', 'eagle3')} method.model={head_dir}",
     )
 

@@ -134,7 +134,7 @@ def test_cfg_prints_the_validated_config(capsys):
     (["+max_num_seqs=8"], "max_num_seqs: no such key; did you mean engine.max_num_seqs?"),
     (["+model.max_num_seqs=8"], "model.max_num_seqs: no such key; did you mean engine.max_num_seqs?"),
     (["+foo=bar"], "foo: no such key; the top-level keys are: model, draft, method, parallelism, engine, server, "
-                   "bench, generate"),
+                   "bench, generate, audio"),
     (["+parallelism.zzz=1"], "parallelism.zzz: no such key; parallelism has: tensor_parallel_size, "
                              "pipeline_parallel_size, master_port, timeout_s"),
     (["+method.temperature=0.5", "+method=ngram"],

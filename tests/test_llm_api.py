@@ -158,8 +158,8 @@ def test_sampling_params_accepts_vllm_keywords_at_their_no_op_values():
 
 
 @pytest.mark.parametrize("kw, key", [
-    ({"n": 2}, "n"), ({"logits_processors": [print]}, "logits_processors"),
-    ({"best_of": 3}, "best_of"), ({"use_beam_search": True}, "use_beam_search"), ({"bogus": 1}, "bogus"),
+    ({"n": 0}, "n"), ({"logits_processors": [print]}, "logits_processors"),
+    ({"n": 3, "best_of": 2}, "best_of"), ({"use_beam_search": True}, "use_beam_search"), ({"bogus": 1}, "bogus"),
 ])  # fmt: skip
 def test_sampling_params_unimplemented_vllm_keyword_is_one_line(kw, key):
     with pytest.raises(UnsupportedArgumentError) as e:

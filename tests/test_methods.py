@@ -112,7 +112,7 @@ def test_options_from_python_name_the_key_a_method_does_not_read():
     assert str(e.value) == "method.skip_ratio: is not a key of method ngram; only +method=layer_skip reads it"
     with pytest.raises(ConfigError, match=r"^method\.bogus: no such key; method ngram has: method, model, "):
         method_options("ngram", bogus=1)
-    with pytest.raises(ConfigError, match=r"^method\.method: must be one of dflash, .*; got 'lookahead'$"):
+    with pytest.raises(ConfigError, match=r"^method\.method: must be one of ctc, dflash, .*; got 'lookahead'$"):
         method_options("lookahead")
 
 

@@ -94,7 +94,7 @@ def test_removed_vllm_flags_say_what_to_use_instead(flag):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--swap-space", "4"], "unknown option '--swap-space'"),
+    (["--block-allocator", "4"], "unknown option '--block-allocator'"),
     (["--port", "http"], "--port must be an integer, got 'http'"),
     (["--speculative-config", "{method: ngram}"], "--speculative-config: not valid JSON"),
     (["--speculative-config", '{"method": "ngram", "bogus": 1}'], "method.bogus: no such key; method has: method, model, num_speculative_tokens,"),

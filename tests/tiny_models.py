@@ -70,3 +70,47 @@ def make_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) 
     model.save_pretrained(out, safe_serialization=True)
     _tokenizer(out)
     return out
+
+
+SPEECH_AUDIO_TOKEN = TINY_VOCAB - 12  # "w495": the tiny speech models' audio placeholder
+
+
+def make_tiny_speech_model(out: Path, text: str = "llama", seed: int = 0, output_dim: int = 128,
+                           tie: bool = False) -> Path:
+    """Save a tiny random Granite Speech model (transformers' GraniteSpeechForConditionalGeneration)
+    with a ``text`` (llama or granite, Granite's multipliers away from 1) text model to ``out``;
+    the encoder's batch-norm statistics are drawn too, so eval mode is not the identity."""
+    import transformers as tf
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    if text == "granite":
+        text_cfg = tf.GraniteConfig(embedding_multiplier=2.5, attention_multiplier=0.2, residual_multiplier=0.6,
+                                    logits_scaling=3.0, **common)
+    else:
+        text_cfg = tf.LlamaConfig(**common)
+    cfg = tf.GraniteSpeechConfig(
+        text_config=text_cfg.to_dict(),
+        encoder_config=dict(input_dim=160, num_layers=4, hidden_dim=48, num_heads=4, output_dim=output_dim,
+                            context_size=40, max_pos_emb=64, conv_kernel_size=5, dropout=0.0),
+        projector_config=dict(model_type="blip_2_qformer", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=64, encoder_hidden_size=48, cross_attention_frequency=1,
+                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+        audio_token_index=SPEECH_AUDIO_TOKEN, window_size=15, downsample_rate=5, has_lora_adapter=False,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    model = tf.GraniteSpeechForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "language_model" in name:
+                p.mul_(3.0)  # widen the logit spread so greedy choices are not near-ties
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm1d):
+                m.running_mean.normal_(0, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    _tokenizer(out)
+    return out

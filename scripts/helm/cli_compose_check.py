@@ -8,6 +8,11 @@ presets to a temporary directory laid out as the pod sees it (<group>/<name>.yam
 validate_config; no model is loaded). This catches drift between the chart and the CLI
 (e.g. `draft=` vs `+draft=`, a renamed key, a preset the schema rejects).
 
+Models by Hugging Face id: the ids the pod's init container fetches (``python -m specserve.hub
+fetch ID ...``) are laid out as stub snapshots in a temporary hub cache (HF_HOME), as the pod's
+cache holds them once that container has run, so an id the server asks for that the init
+container does not fetch fails here (the server would find it missing and exit).
+
 A method whose built-in preset is not shipped yet, or a method/parallelism that this build
 does not implement yet (a valid contract value the engine rejects for now), is a WARN (the chart may select every method of the contract); any other
 error is a FAIL. Needs a Python where `specserve` and `hydra` import (the project venv).
@@ -33,6 +38,30 @@ PENDING = (
 )
 
 
+def fetched(pod: dict) -> list[str]:
+    """The Hugging Face ids the pod's init container fetches (``... specserve.hub fetch ID ...``)."""
+    out = []
+    for c in pod["spec"].get("initContainers", []):
+        cmd = list(c.get("command", [])) + list(c.get("args", []))
+        if "specserve.hub" in cmd and "fetch" in cmd:
+            out += cmd[cmd.index("fetch") + 1:]
+    return out
+
+
+def stub_snapshot(hub: Path, spec: str) -> None:
+    """``org/name[@revision]`` as huggingface_hub lays it out (refs/<rev> -> snapshots/<commit>),
+    with a minimal config.json."""
+    repo, _, revision = spec.partition("@")
+    revision = revision or "main"
+    commit = revision if re.fullmatch(r"[0-9a-f]{40}", revision) else "0" * 40
+    root = hub / ("models--" + repo.replace("/", "--"))
+    (root / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    (root / "snapshots" / commit / "config.json").write_text("{}")
+    if commit != revision:
+        (root / "refs").mkdir(exist_ok=True)
+        (root / "refs" / revision).write_text(commit)
+
+
 def check(render: Path) -> tuple[str, str]:
     from specserve.cli import compose_config
 
@@ -53,6 +82,11 @@ def check(render: Path) -> tuple[str, str]:
             p.write_text(cm["data"][item["key"]])
         args[args.index("--config-dir") + 1] = tmp
         env = {e["name"]: e.get("value") for e in c.get("env", []) if "value" in e}
+        if "HF_HOME" in env:  # the pod's cache, holding what the init container fetched
+            env["HF_HOME"] = str(Path(tmp) / "hf-home")
+            env.pop("HF_HUB_CACHE", None)
+            for spec in fetched(pod):
+                stub_snapshot(Path(env["HF_HOME"]) / "hub", spec)
         old = {k: os.environ.get(k) for k in env}
         os.environ.update({k: v for k, v in env.items() if v is not None})
         try:

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from specserve.engine.stats import RequestFinishedStats, RequestStepStats, Stats
 from specserve.engine.tokenizer import Tokenizer, bad_words_token_ids
 from specserve.engine.spec_control import SpecController, tree_depth_choices
 from specserve.errors import InvalidRequestError, RequestFailedError, SpecServeError
+from specserve.generation_defaults import read_defaults
 from specserve.formats import load_chat_template
 from specserve.formats import resolve as resolve_formats
 from specserve.executor.kv_cache import KVCache
@@ -56,7 +57,7 @@ from specserve.executor.backends.factory import RunnerFactory
 from specserve.kernels.backends import choose_rejection
 from specserve.parallel.plan import draft_tensor_parallel_size
 from specserve.proposers import DraftRequest, Proposer, build_proposer
-from specserve.methods import Q_VERIFICATION_METHODS, get_method
+from specserve.methods import Q_VERIFICATION_METHODS, as_method_options, get_method
 from specserve.proposers.base import ProposerContext, TargetShape, memory_needs
 from specserve.proposers.prediction import PredictedOutputs
 from specserve.request import GREEDY_EPS, FinishReason, RequestOutput, SamplingParams
@@ -87,6 +88,9 @@ class ModelInfo:
     attention_backend: str = "torch"
     rejection_backend: str = "torch"
     vocab_size: int | None = None  # token ids a request may use: [0, vocab_size)
+    # Defaults for fields a request leaves out, from the model's generation_config.json
+    # (model.generation_config; specserve.generation_defaults): SamplingParams' names.
+    sampling_defaults: dict = field(default_factory=dict)
     # The model's tool-call and reasoning formats (specserve.formats; None: none)
     tool_call_format: str | None = None
     reasoning_format: str | None = None
@@ -133,7 +137,8 @@ class LLMEngine:
             target = load_target(cfg)
         if target is None:
             m = cfg.model
-            target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir, cpu_kernel=e.cpu_kernel)
+            target = load_model(m.path, m.dtype, device, m.max_model_len, m.cache_dir, cpu_kernel=e.cpu_kernel,
+                                tokenizer_path=m.tokenizer)
         self.target = target
         self.tokenizer = Tokenizer(target.tokenizer, target.eos_token_ids, load_chat_template(cfg.model.chat_template))
         self.max_model_len = target.max_model_len
@@ -194,8 +199,16 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
                                    self.max_model_len, e.long_prefill_token_threshold,
                                    pending_drafts=lambda seq: self.requests.num_pending_drafts(seq))
+        # Speech models: recordings wait for their encoder pass here (engine.speech), the
+        # encoder's per-step budget bounding what they add to a step.
+        self.speech = None
+        if target.speech is not None:
+            from specserve.engine.speech import SpeechRequests
+
+            self.speech = SpeechRequests(target, cfg.audio.encoder_frames_per_step, self.proposer,
+                                         self.num_spec_tokens)
         # Every request's state, and its one teardown (which frees the method's state too).
-        self.requests = RequestTable(self.scheduler, [self.proposer, self.predictions])
+        self.requests = RequestTable(self.scheduler, [self.proposer, self.predictions, self.speech])
         self.seed_generator = torch.Generator().manual_seed(e.seed)  # seeds of unseeded requests (host)
         verify = spec.rejection_sample_method if spec is not None else "strict"
         rejection = choose_rejection(e.rejection_backend, target.device, verify, target.arch.vocab_size)
@@ -215,13 +228,14 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             dtype=str(target.dtype).removeprefix("torch."),
             device=str(target.device),
-            lossless=spec is None or spec.rejection_sample_method != "synthetic",
+            lossless=spec is None or as_method_options(spec).lossless,
             tensor_parallel_size=self.runner.tensor_parallel_size,
             draft_tensor_parallel_size=draft_tensor_parallel_size(spec, self.runner.tensor_parallel_size)
             if plan.tensor_parallel else 1,
             attention_backend=self.runner.attention_backend,
             rejection_backend=rejection.used,
             vocab_size=target.arch.vocab_size,
+            sampling_defaults=read_defaults(cfg.model.generation_config, target.hf_dir),
         )
         self.info.tool_call_format, self.info.reasoning_format = resolve_formats(
             cfg.model.tool_call_format, cfg.model.reasoning_format, self.tokenizer.chat_template)
@@ -248,6 +262,11 @@ class LLMEngine:
                 "max_tokens",
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({self.max_model_len})",
             )
+        if params.audio is not None:
+            if self.speech is None:
+                raise InvalidRequestError("audio", f"model {self.info.model_name!r} is not a speech model: it takes no "
+                                                   "recordings")
+            self.speech.validate(prompt_token_ids, params)
         pred = params.prediction_token_ids
         if pred is not None and len(pred) > self.max_model_len:
             raise InvalidRequestError(
@@ -273,6 +292,8 @@ class LLMEngine:
         admitting raises RequestFailedError.  Either way nothing of the request remains."""
         prompt_token_ids = params.truncate_prompt(list(prompt_token_ids), self.max_model_len)
         self.validate_request(request_id, prompt_token_ids, params)
+        if params.audio is not None:
+            params = self.speech.partitioned(params)
         if params.bad_words and params.bad_words_token_ids is None:  # offline: the servers tokenize them
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         st: RequestState | None = None
@@ -285,7 +306,10 @@ class LLMEngine:
             prompt_lps = [None] if params.prompt_logprobs is not None else None
             st = RequestState(seq, proc, grammar=grammar, prompt_lps=prompt_lps)
             self.requests.add(st)
-            self.scheduler.add(seq)
+            if params.audio is not None:  # its prompt waits for the recording's encoder pass
+                self.speech.admit(st)
+            else:
+                self.scheduler.add(seq)
         except Exception as e:
             if st is not None and self.requests.get(request_id) is st:
                 self.requests.release(st, finished=True)
@@ -339,11 +363,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        early = self._encode_audio() if self.speech is not None and len(self.speech) else []
         sched = self.scheduler.schedule()
         for seq in sched.preempted:  # recomputed later from its tokens: its derived state goes
             self.requests.release(self.requests[seq.request_id], finished=False)
         if sched.empty:
-            return []
+            return early
         for s in sched.scheduled:  # drafts proposed after the previous verification; the scheduler sized them
             st = self.requests[s.seq.request_id]
             s.drafts = st.drafts.first(s.draft_room)
@@ -357,6 +382,8 @@ class LLMEngine:
         self._verify(sched.scheduled, fwd)
         self._compact_trees(sched.scheduled)
         outputs = self._commit(sched.scheduled)
+        if early:
+            outputs = early + outputs
         t1 = time.perf_counter()
         proposed = self._propose_next(sched.scheduled, batch, fwd)
         # a step that proposed for no request says nothing about what proposing costs
@@ -371,6 +398,9 @@ class LLMEngine:
             new = seq.token_ids[seq.num_computed : seq.num_computed + s.num_new_tokens] + d
             offsets = list(range(s.num_new_tokens - 1, len(new))) if s.sample else []
             inputs.append(SeqInput(new, seq.num_computed, seq.block_table, offsets, num_drafts=len(d)))
+            if self.speech is not None and seq.num_computed < seq.num_prompt_tokens:  # audio rows of a prompt chunk
+                inputs[-1].input_embeds = self.speech.input_embeds(self.requests[seq.request_id], seq.num_computed,
+                                                                   s.num_new_tokens)
             if s.drafts.parents is not None:
                 self._as_tree(inputs[-1], s.drafts.parents, self.target.arch.sliding_window)
         pad_to = None
@@ -538,6 +568,10 @@ class LLMEngine:
             return
         try:
             self._verify_batch(todo, fwd)
+            if self.speech is not None:  # +method=ctc: the first verification of a hypothesis
+                eos = self.tokenizer.eos_token_ids[0] if self.tokenizer.eos_token_ids else None
+                for s, row, _ in todo:
+                    self.speech.review_first_pass(s, fwd.logits, row, eos)
         except Exception:
             log.exception("verification of a batch failed; verifying its requests one by one")
             for one in todo:
@@ -712,6 +746,33 @@ class LLMEngine:
         ))
         return outputs
 
+    def _encode_audio(self) -> list[RequestOutput]:
+        """The encoder's work of this step (``engine.speech``): encoded requests join the
+        scheduler with their hypothesis as first drafts, or are settled by it (relaxed
+        mode's entropy gate); returns the outputs of those that end here."""
+        outputs: list[RequestOutput] = []
+        for st, hyp, failure in self.speech.encoded():
+            if failure is not None:
+                outputs.append(self._fail_request(st, "encoding its recording", failure))
+                continue
+            seq = st.seq
+            if hyp is not None and hyp.settled:  # the CTC text is the answer: no LLM forward
+                try:
+                    seq.spec_stats.ctc_stage = "entropy"
+                    eos = list(self.tokenizer.eos_token_ids[:1])
+                    new_ids, reason = self._append_tokens(seq, hyp.token_ids + eos)
+                    self._finish(st, reason or FinishReason.STOP)
+                    out = self._output(st, new_ids)
+                    if st.proc is not None:
+                        out = st.proc.process(out)[0]
+                    outputs.append(out)
+                except Exception as e:
+                    outputs.append(self._fail_request(st, "settling its CTC transcript", e))
+                continue
+            st.drafts = Drafts(self.speech.first_drafts(seq))
+            self.scheduler.add(seq)
+        return outputs
+
     def _append_tokens(self, seq: Sequence, toks: list[int]) -> tuple[list[int], FinishReason | None]:
         p = seq.params
         stops = set(p.stop_token_ids)
@@ -739,7 +800,7 @@ class LLMEngine:
             request_id=seq.request_id, finish_reason=reason.value, num_prompt_tokens=seq.num_prompt_tokens,
             num_generation_tokens=seq.num_output_tokens, e2e_latency_s=time.monotonic() - seq.arrival_time,
             num_drafts=seq.spec_stats.num_drafts, num_draft_tokens=seq.spec_stats.num_draft_tokens,
-            num_accepted_tokens=seq.spec_stats.num_accepted_tokens,
+            num_accepted_tokens=seq.spec_stats.num_accepted_tokens, ctc_stage=seq.spec_stats.ctc_stage,
         )
         for listener in self.listeners:
             listener.on_request_finished(fin)

@@ -92,6 +92,10 @@ class RequestState:
     prompt_lps: list | None = None  # prompt_logprobs so far (index i: prompt token i; [0] is None)
     prompt_lps_sent: bool = False
     drafts: Drafts = field(default_factory=Drafts)  # waiting for the request's next step
+    # A speech request's audio rows once its recording is encoded: (first audio position in
+    # the prompt, (n, H) projector outputs), kept until the request ends (a preempted
+    # request's prompt is computed again from them).
+    audio: Any = None
 
     @property
     def request_id(self) -> str:

@@ -2,7 +2,9 @@
 
 Each step it decides which sequences run and how many of their uncomputed
 tokens: running sequences first (a decode step needs its pending token plus
-room for its drafts waiting for verification, up to K: ``pending_drafts``),
+room for its drafts waiting for verification, up to K: ``pending_drafts``; a prompt's
+last chunk carries the drafts a request has before its first step, +method=ctc's
+hypothesis, so the prefill's forward verifies them),
 then waiting ones in arrival order while the token budget, the sequence cap
 and the KV blocks allow.  Long prompts are prefilled in chunks.  When blocks run out for a running sequence, the most recently
 admitted one is preempted: its blocks are freed and it is recomputed later
@@ -33,7 +35,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # uncomputed tokens to run this step
     sample: bool  # this chunk reaches the end of the sequence: sample the next token
-    draft_room: int  # pending drafts that run this step (0 for prefill chunks)
+    draft_room: int  # pending drafts that run this step (0 for prefill chunks but a prompt's last one)
     # Filled by the engine's step: the drafts run (the first draft_room pending ones), and
     # for a sampled sequence its verification (None until verified, and for prefill chunks).
     drafts: Drafts = field(default_factory=Drafts)
@@ -222,7 +224,7 @@ class Scheduler:
                 i += 1
                 continue
             sample = n == seq.num_uncomputed
-            room = self._draft_room(seq) if (sample and seq.num_uncomputed == 1) else 0
+            room = self._draft_room(seq) if sample else 0
             need = seq.num_computed + n + room
             while not self.blocks.ensure(seq.block_table, need):
                 victim = self.running[-1]
@@ -248,7 +250,7 @@ class Scheduler:
             cap = self._prefill_cap(len(self.waiting) > 1, len(self.running) + 1)
             n = min(seq.num_uncomputed, budget, cap)
             sample = n == seq.num_uncomputed
-            room = self._draft_room(seq) if (sample and seq.num_uncomputed == 1) else 0
+            room = self._draft_room(seq) if sample else 0
             if not self.blocks.ensure(seq.block_table, seq.num_computed + n + room):
                 if fresh and seq.block_table:  # give the cached blocks back (they stay cached)
                     self.blocks.free(seq.block_table)

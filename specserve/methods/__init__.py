@@ -137,6 +137,12 @@ class SpeculativeConfig:
     tree: TreeConfig = dataclasses.field(default_factory=TreeConfig)
 
     @property
+    def lossless(self) -> bool:
+        """Outputs follow the target exactly (greedy) or in distribution (sampled); False
+        for synthetic acceptance, and for a method's lossy mode (its options say so)."""
+        return self.rejection_sample_method != "synthetic"
+
+    @property
     def samples_drafts(self) -> bool:
         """Drafts are sampled from the drafter's q and verified against it (else argmax
         drafts, verified strictly)."""

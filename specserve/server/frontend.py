@@ -180,6 +180,8 @@ class Frontend:
         self.served_model_names: list[str] = [self.model_name] + [
             a for a in dict.fromkeys(cfg.served_model_aliases) if a != self.model_name
         ]
+        # Defaults for fields a request leaves out: the model's generation_config.json.
+        self.sampling_defaults: dict[str, Any] = dict(getattr(engine.info, "sampling_defaults", None) or {})
         self._inflight: set[tuple[str | None, str]] = set()  # (tenant, request id) claimed
         self._consumers: dict[str, asyncio.Task] = {}  # engine id -> the handler task reading it
         self._failed: set[str] = set()  # engine ids whose handler was cancelled by fail_stuck_requests
@@ -376,20 +378,23 @@ class Frontend:
         wanted = self.cfg.default_max_tokens
         if wanted is None:
             wanted = COMPLETIONS_DEFAULT_MAX_TOKENS if completions else room
+            if not completions and "max_tokens" in self.sampling_defaults:  # the model's max_new_tokens
+                wanted = self.sampling_defaults["max_tokens"]
         return max(1, min(wanted, room))
 
     def make_params(self, f: SamplingFields, tenant: str | None = None, prompt_tokens: int = 1,
                     completions: bool = False, prompt_field: str = "prompt") -> SamplingParams:  # fmt: skip
         """Validated parameters; ``tenant`` is the caller's (``ApiKeyChecker.authenticate``).
         ``prompt_tokens`` (the longest prompt's, for several) sizes the default max_tokens."""
+        d = self.sampling_defaults  # the model's generation_config.json (model.generation_config)
         max_tokens = f.max_tokens
         if max_tokens is None:
             max_tokens = self.default_max_tokens(prompt_tokens, completions, prompt_field)
         params = SamplingParams(
-            temperature=1.0 if f.temperature is None else f.temperature,
-            top_p=1.0 if f.top_p is None else f.top_p,
-            top_k=0 if f.top_k is None else f.top_k,
-            min_p=0.0 if f.min_p is None else f.min_p,
+            temperature=d.get("temperature", 1.0) if f.temperature is None else f.temperature,
+            top_p=d.get("top_p", 1.0) if f.top_p is None else f.top_p,
+            top_k=d.get("top_k", 0) if f.top_k is None else f.top_k,
+            min_p=d.get("min_p", 0.0) if f.min_p is None else f.min_p,
             max_tokens=max_tokens,
             seed=f.seed,
             stop=[] if f.stop is None else f.stop,
@@ -397,7 +402,7 @@ class Frontend:
             ignore_eos=False if f.ignore_eos is None else f.ignore_eos,
             presence_penalty=0.0 if f.presence_penalty is None else f.presence_penalty,
             frequency_penalty=0.0 if f.frequency_penalty is None else f.frequency_penalty,
-            repetition_penalty=1.0 if f.repetition_penalty is None else f.repetition_penalty,
+            repetition_penalty=d.get("repetition_penalty", 1.0) if f.repetition_penalty is None else f.repetition_penalty,
             logit_bias=f.logit_bias,
             min_tokens=0 if f.min_tokens is None else f.min_tokens,
             logprobs=f.logprobs,
@@ -412,6 +417,12 @@ class Frontend:
             allowed_token_ids=f.allowed_token_ids,
             truncate_prompt_tokens=f.truncate_prompt_tokens,
         )
+        cap = getattr(self.cfg, "max_logprobs", None)  # server.max_logprobs (vLLM's --max-logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if cap is not None and isinstance(asked, int) and not isinstance(asked, bool) and asked > cap:
+                raise InvalidRequestError(name, f"asks for {asked} log-probabilities per token; this server allows at "
+                                                f"most {cap} (server.max_logprobs)")
         return params.validate(self.cfg.max_tokens_cap, max_speculative_tokens=self.engine.info.num_speculative_tokens)
 
     async def tokenize_bad_words_async(self, params: SamplingParams) -> None:

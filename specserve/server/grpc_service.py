@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.request import FinishReason, RequestOutput, SpeculationParams, StructuredOutputsParams
 from specserve.sampling.logits_controls import LOGPROB_FLOOR
+from specserve.server.audio import grpc_transcribe, grpc_transcribe_stream
 from specserve.server.auth import OPEN_GRPC_SERVICES, ApiKeyChecker
 from specserve.server.errors import (
     INTERNAL,
@@ -216,6 +217,9 @@ async def _deadline(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
 
 
 class SpecServeServicer(pb_grpc.SpecServeServicer):
+    Transcribe = grpc_transcribe  # the audio door (server/audio.py)
+    TranscribeStream = grpc_transcribe_stream
+
     def __init__(self, frontend: Frontend, checker: ApiKeyChecker | None = None):
         self.fe = frontend
         self._checker = checker

@@ -37,9 +37,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from specserve.errors import InvalidRequestError
+from specserve.metrics import exposition
+from specserve.server.audio import add_audio_routes
 from specserve.formats.chat import template_messages
 from specserve.server.auth import METRICS_PATH, OPEN_HTTP_PATHS, ApiKeyChecker
 from specserve.server.chat_tools import ChatAnswers, apply_plan, chat_plan, render_chat
@@ -47,6 +49,7 @@ from specserve.server.responses import create_response
 from specserve.server.errors import INTERNAL, classify, openai_error_body
 from specserve.server.frontend import Frontend, SamplingFields, printable
 from specserve.server.openai_features import Features, completion_prompts, parse_features, serve_choices
+from specserve.server.request_fields import IGNORED_FIELDS_HEADER, UnknownFields, header_value
 from specserve.server.vllm_fields import VllmFields, parse_vllm_fields
 
 log = logging.getLogger("specserve.server.http")
@@ -63,6 +66,8 @@ _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
 CLOSE_AFTER_KEY = web.RequestKey("close_after", bool)  # close the connection after the answer
 TENANT_KEY = web.RequestKey("tenant", str)  # the caller's tenant (auth.ApiKeyChecker.authenticate)
+FIELDS_KEY = web.AppKey("unknown_fields", UnknownFields)  # request_fields: unknown fields, once-per-name log
+IGNORED_KEY = web.RequestKey("ignored_fields", list)  # the request's unknown fields, for the response header
 
 
 # --------------------------------------------------------------------------- parsing
@@ -195,6 +200,12 @@ async def _prediction(fe: Frontend, body: dict[str, Any]) -> list[int] | None:
 # --------------------------------------------------------------------------- handlers
 
 
+def _unknown_fields(request: web.Request, body: dict[str, Any], chat: bool) -> None:
+    ignored = request.app[FIELDS_KEY].check(body, chat)  # 400 under server.strict_fields
+    if ignored:
+        request[IGNORED_KEY] = ignored
+
+
 def _vllm_fields(request: web.Request, body: dict[str, Any], chat: bool, stream: bool) -> VllmFields:
     header = request.headers.get("X-Request-Id")
     return parse_vllm_fields(body, chat, stream, header)
@@ -203,10 +214,11 @@ def _vllm_fields(request: web.Request, body: dict[str, Any], chat: bool, stream:
 async def completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND_KEY]
     body = await _read_json(request)
-    fe.check_model(body.get("model"))
     for name in ("tools", "thinking_token_budget"):  # they need a chat answer's reasoning and tool-call parsing
         if body.get(name) not in (None, []):
             raise InvalidRequestError(name, "is a chat field: send it to /v1/chat/completions (or /v1/responses)")
+    _unknown_fields(request, body, chat=False)
+    fe.check_model(body.get("model"))
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=False)
     vllm = _vllm_fields(request, body, False, stream)
@@ -222,6 +234,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND_KEY]
     body = await _read_json(request)
+    _unknown_fields(request, body, chat=True)
     fe.check_model(body.get("model"))
     stream, include_usage = _common_checks(body)
     features = parse_features(body, chat=True)
@@ -341,7 +354,7 @@ async def metrics(request: web.Request) -> web.Response:
     fe = request.app[FRONTEND_KEY]
     engine = fe.engine
     fe.metrics.set_queue_state(engine.num_running, engine.num_waiting, engine.kv_cache_usage)
-    return web.Response(body=generate_latest(fe.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=exposition(fe.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 # --------------------------------------------------------------------------- app
@@ -397,10 +410,19 @@ async def _close_when_needed(request: web.Request, response: web.StreamResponse)
         response.headers["Connection"] = "close"  # ... and say so (the header is computed before this hook)
 
 
+async def _ignored_fields_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Name the request's unknown fields (request_fields) on its response, streamed or whole."""
+    ignored = request.get(IGNORED_KEY)
+    if ignored:
+        response.headers[IGNORED_FIELDS_HEADER] = header_value(ignored)
+
+
 def build_http_app(frontend: Frontend, checker: ApiKeyChecker) -> web.Application:
     app = web.Application(middlewares=[_error_middleware(checker)], client_max_size=MAX_BODY_BYTES)
     app[FRONTEND_KEY] = frontend
+    app[FIELDS_KEY] = UnknownFields(bool(getattr(frontend.cfg, "strict_fields", False)))
     app.on_response_prepare.append(_close_when_needed)
+    app.on_response_prepare.append(_ignored_fields_header)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses)
@@ -413,4 +435,5 @@ def build_http_app(frontend: Frontend, checker: ApiKeyChecker) -> web.Applicatio
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
+    add_audio_routes(app, FRONTEND_KEY, TENANT_KEY)  # /v1/audio/transcriptions, /v1/audio/translations
     return app

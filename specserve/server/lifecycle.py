@@ -36,6 +36,7 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -50,8 +51,10 @@ from specserve.server.auth import ApiKeyChecker
 from specserve.server.frontend import Frontend, HealthState
 from specserve.server.grpc_service import GrpcHealth, start_grpc_server
 from specserve.server.http_app import build_http_app
+from specserve.server.stats_log import StatsLog, startup_line
 
 log = logging.getLogger("specserve.server")
+stats_logger = logging.getLogger("specserve.stats")
 
 HEALTH_POLL_S = 0.2  # how often engine.healthy is re-read for gRPC health watchers
 HANDLER_GRACE_S = 5.0  # after engine.drain: time for handlers to send their final messages
@@ -96,6 +99,22 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_ports(cfg: ServerConfig) -> None:
+    """Fail fast, before the model loads: each fixed port (0 = any free port) must be free
+    on ``server.host`` now, and the two must differ.  ConfigError naming the key (the
+    servers bind for real once the engine is up; this only spares a long load that would
+    end in "address in use")."""
+    fixed = [(key, getattr(cfg, key)) for key in ("http_port", "grpc_port") if getattr(cfg, key)]
+    if len(fixed) == 2 and fixed[0][1] == fixed[1][1]:
+        raise ConfigError("server.grpc_port", f"is {cfg.grpc_port}, the same as server.http_port; give them different ports")
+    for key, port in fixed:
+        try:
+            _bind(cfg.host, port).close()
+        except ConfigError as exc:
+            raise ConfigError(f"server.{key}", str(exc).split(": ", 1)[1] + f" (set server.{key} to a free port, "
+                                               "or 0 for any)") from None
+
+
 def metrics_identity(engine: Any) -> MetricsIdentity:
     info = engine.info
     return MetricsIdentity(
@@ -115,8 +134,15 @@ class SpecServeServers:
         self.cfg = cfg
         self.engine = engine
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = SpecServeMetrics(self.registry, metrics_identity(engine))
+        self.metrics = SpecServeMetrics(self.registry, metrics_identity(engine), getattr(cfg, "metric_names", "both"))
         engine.add_stats_listener(self.metrics)
+        # server.log_stats_interval_s: the periodic stats line (stats_log), fed like the metrics
+        self.stats_interval_s = float(getattr(cfg, "log_stats_interval_s", 0) or 0)
+        self.stats_log: StatsLog | None = None
+        if self.stats_interval_s > 0:
+            self.stats_log = StatsLog(time.monotonic())
+            engine.add_stats_listener(self.stats_log)
+        self._stats_task: asyncio.Task | None = None
         self.health = HealthState(engine)
         self.grpc_port = 0
         self.http_port = 0
@@ -155,7 +181,7 @@ class SpecServeServers:
                 # aiohttp arms this timer at connect and after each response: it closes
                 # idle keep-alive connections and ones that never finish a request head.
                 keepalive_timeout=cfg.idle_timeout_s,
-                access_log=logging.getLogger("specserve.server.access"),
+                access_log=logging.getLogger("specserve.server.access") if getattr(cfg, "log_requests", True) else None,
             )
             await self._runner.setup()
             await web.SockSite(self._runner, sock, ssl_context=_ssl_context(cfg) if tls else None).start()
@@ -163,12 +189,19 @@ class SpecServeServers:
             await self.stop(grace_s=0)
             raise
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
-        scheme = "https" if tls else "http"
-        log.info(
-            "serving %s: gRPC on %s:%d%s, HTTP on %s://%s:%d, API key %s",
-            self.engine.info.model_name, cfg.host, self.grpc_port, " (TLS)" if tls else "",
-            scheme, cfg.host, self.http_port, "required" if checker.enabled else "off",
-        )  # fmt: skip
+        if self.stats_log is not None:
+            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats())
+        log.info("%s", startup_line(self.engine.info, cfg.host, self.grpc_port, self.http_port, bool(tls), checker.enabled))
+
+    async def _log_stats(self) -> None:
+        """Every server.log_stats_interval_s: one line of what the interval did (stats_log)."""
+        assert self.stats_log is not None
+        while True:
+            await asyncio.sleep(self.stats_interval_s)
+            engine = self.engine
+            text, info = self.stats_log.line(time.monotonic(), engine.num_running, engine.num_waiting,
+                                             engine.kv_cache_usage)  # fmt: skip
+            stats_logger.log(logging.INFO if info else logging.DEBUG, "%s", text)
 
     async def _watch_engine(self) -> None:
         """Publish health changes; once the engine has failed, fail requests it leaves hanging."""
@@ -232,6 +265,8 @@ class SpecServeServers:
         self._stopped = True
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         if self._runner is not None:

@@ -1,4 +1,5 @@
-"""``specserve-train [--config-name train/<preset>] [override ...]``: train an EAGLE-3 head.
+"""``specserve-train [--config-name train/<preset>] [override ...]``: train an EAGLE-3 head, or
+with a speech preset (``train/smollm2-135m-speech``) a speech encoder and projector.
 
 The default preset is ``train/smollm2-135m-eagle3`` (the head shipped for the
 embedded model).  Overrides are Hydra overrides of ``specserve.train.config``
@@ -45,6 +46,7 @@ def help_text() -> str:
 def compose_train_config(argv: list[str]):
     from specserve.compose import UsageError, _parse_argv, compose_object
     from specserve.train.config import TrainConfig, register_train_configs, validate_train_config
+    from specserve.train.speech_config import SpeechTrainConfig, register_speech_configs, validate_speech_config
 
     extra_dir, name, show, help_, overrides = _parse_argv(argv)
     if help_:
@@ -52,9 +54,12 @@ def compose_train_config(argv: list[str]):
         return None
     if name == "config":  # _parse_argv's default is the server's config
         name = DEFAULT_PRESET
-    obj = compose_object(name, overrides, extra_dir, show, register_train_configs)
+    obj = compose_object(name, overrides, extra_dir, show,
+                         lambda cs: (register_train_configs(cs), register_speech_configs(cs)))
     if obj is None:
         return None
+    if isinstance(obj, SpeechTrainConfig):  # a speech model's preset (train/*-speech.yaml)
+        return validate_speech_config(obj)
     if not isinstance(obj, TrainConfig):
         raise UsageError(f"--config-name {name}: not a training preset (conf/train/*.yaml)")
     return validate_train_config(obj)
@@ -70,10 +75,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_train_config(argv)
         if cfg is None:
             return 0
-        _cap_onednn_isa(cfg)
-        from specserve.train.trainer import train
+        from specserve.train.speech_config import SpeechTrainConfig
 
-        report = train(cfg)
+        if isinstance(cfg, SpeechTrainConfig):
+            from specserve.train.speech import train_speech
+
+            report = train_speech(cfg)
+        else:
+            _cap_onednn_isa(cfg)
+            from specserve.train.trainer import train
+
+            report = train(cfg)
     except (UsageError, SpecServeError) as e:
         print(f"specserve-train: error: {e}", file=sys.stderr)
         return 2

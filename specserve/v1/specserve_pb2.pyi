@@ -295,3 +295,61 @@ class ModelInfo(_message.Message):
     tool_call_format: str
     reasoning_format: str
     def __init__(self, model_name: _Optional[str] = ..., method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., lossless: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., draft_tensor_parallel_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., rejection_backend: _Optional[str] = ..., tool_call_format: _Optional[str] = ..., reasoning_format: _Optional[str] = ...) -> None: ...
+
+class TranscribeRequest(_message.Message):
+    __slots__ = ("file", "model", "language", "prompt", "temperature", "request_id", "cache_salt", "seed")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    file: bytes
+    model: str
+    language: str
+    prompt: str
+    temperature: float
+    request_id: str
+    cache_salt: str
+    seed: int
+    def __init__(self, file: _Optional[bytes] = ..., model: _Optional[str] = ..., language: _Optional[str] = ..., prompt: _Optional[str] = ..., temperature: _Optional[float] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TranscriptSegment(_message.Message):
+    __slots__ = ("id", "start_s", "end_s", "text")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    END_S_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    start_s: float
+    end_s: float
+    text: str
+    def __init__(self, id: _Optional[int] = ..., start_s: _Optional[float] = ..., end_s: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
+
+class TranscribeResponse(_message.Message):
+    __slots__ = ("request_id", "text", "done", "duration_s", "segments", "spec_decode", "ctc_stages")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
+    CTC_STAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    done: bool
+    duration_s: float
+    segments: _containers.RepeatedCompositeFieldContainer[TranscriptSegment]
+    spec_decode: SpecDecodeStats
+    ctc_stages: _containers.RepeatedCompositeFieldContainer[CtcStageCount]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., done: _Optional[bool] = ..., duration_s: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[TranscriptSegment, _Mapping]]] = ..., spec_decode: _Optional[_Union[SpecDecodeStats, _Mapping]] = ..., ctc_stages: _Optional[_Iterable[_Union[CtcStageCount, _Mapping]]] = ...) -> None: ...
+
+class CtcStageCount(_message.Message):
+    __slots__ = ("stage", "count")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    count: int
+    def __init__(self, stage: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...

@@ -49,6 +49,16 @@ class SpecServeStub:
                 request_serializer=specserve_dot_v1_dot_specserve__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_specserve__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Transcribe = channel.unary_unary(
+                '/specserve.v1.SpecServe/Transcribe',
+                request_serializer=specserve_dot_v1_dot_specserve__pb2.TranscribeRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_specserve__pb2.TranscribeResponse.FromString,
+                _registered_method=True)
+        self.TranscribeStream = channel.unary_stream(
+                '/specserve.v1.SpecServe/TranscribeStream',
+                request_serializer=specserve_dot_v1_dot_specserve__pb2.TranscribeRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_specserve__pb2.TranscribeResponse.FromString,
+                _registered_method=True)
 
 
 class SpecServeServicer:
@@ -76,6 +86,22 @@ class SpecServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Transcribe(self, request, context):
+        """Transcribes a recording (speech models; OpenAI's /v1/audio/transcriptions): the whole
+        transcript in one message.  A text model answers INVALID_ARGUMENT naming model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TranscribeStream(self, request, context):
+        """Streams the transcript: text deltas, then one message with done set, the whole text,
+        the segments, the audio's duration and the speculative-decoding counters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpecServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +119,16 @@ def add_SpecServeServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=specserve_dot_v1_dot_specserve__pb2.GetModelInfoRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_specserve__pb2.ModelInfo.SerializeToString,
+            ),
+            'Transcribe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transcribe,
+                    request_deserializer=specserve_dot_v1_dot_specserve__pb2.TranscribeRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_specserve__pb2.TranscribeResponse.SerializeToString,
+            ),
+            'TranscribeStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.TranscribeStream,
+                    request_deserializer=specserve_dot_v1_dot_specserve__pb2.TranscribeRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_specserve__pb2.TranscribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +212,60 @@ class SpecServe:
             '/specserve.v1.SpecServe/GetModelInfo',
             specserve_dot_v1_dot_specserve__pb2.GetModelInfoRequest.SerializeToString,
             specserve_dot_v1_dot_specserve__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transcribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.SpecServe/Transcribe',
+            specserve_dot_v1_dot_specserve__pb2.TranscribeRequest.SerializeToString,
+            specserve_dot_v1_dot_specserve__pb2.TranscribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TranscribeStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specserve.v1.SpecServe/TranscribeStream',
+            specserve_dot_v1_dot_specserve__pb2.TranscribeRequest.SerializeToString,
+            specserve_dot_v1_dot_specserve__pb2.TranscribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,6 +31,9 @@ LWS_API = "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet"
 INFERENCEPOOL_API = "inference.networking.k8s.io/v1/InferencePool"
 ALL_CRD_APIS = (SERVICEMONITOR_API, KEDA_API, LWS_API, INFERENCEPOOL_API)
 CI_FILES = ("cpu-values.yaml", "gpu-eagle3-values.yaml", "tp-values.yaml")
+# The chart refuses to render without image.repository: renders name this stand-in first (a
+# values file of the test's own, later, wins), as the gate's golden renders do.
+IMAGE_VALUES = str(Path(__file__).resolve().parent / "image-values.yaml")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -84,7 +87,7 @@ def template_args(
     args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", kube_version]
     for a in api_versions:
         args += ["--api-versions", a]
-    for v in values:
+    for v in (IMAGE_VALUES, *values):
         args += ["-f", v]
     for s in sets:
         args += ["--set", s]
@@ -114,6 +117,7 @@ class Chart:
     inferencepool_api = INFERENCEPOOL_API
     all_crd_apis = ALL_CRD_APIS
     ci_files = CI_FILES
+    image_values = IMAGE_VALUES
     HelmError = HelmError
 
     def __init__(self, render):

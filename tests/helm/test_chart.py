@@ -210,8 +210,9 @@ EXPECTED_ARGS = {
     ],
     "gpu-eagle3-values.yaml": [
         "--config-dir", "/etc/specserve/conf",
-        "model=llama-3.1-8b-instruct", "model.dtype=bfloat16",
-        "+method=eagle3", "method.num_speculative_tokens=3", "draft=eagle3-llama-3.1-8b",
+        "model=llama-3.1-8b-instruct", "model.path=meta-llama/Llama-3.1-8B-Instruct",
+        "model.name=meta-llama/Llama-3.1-8B-Instruct", "model.dtype=bfloat16",
+        "+method=eagle3", "method.num_speculative_tokens=3", "method.model=yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
         "parallelism.tensor_parallel_size=1", "engine.device=cuda",
         "server.grpc_port=50051", "server.http_port=8000", "server.drain_timeout_s=30",
         "engine.kv_cache_memory_gib=40", "engine.max_num_seqs=64",
@@ -313,8 +314,10 @@ def test_environment_and_cache(render):
     assert env["SPECSERVE_CACHE_DIR"]["value"] == cache
     assert env["HF_HOME"]["value"].startswith(cache)
     assert env["SPECSERVE_MODELS_DIR"]["value"].startswith(cache)
-    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
-    assert "HF_HUB_OFFLINE" not in env  # this profile downloads from the hub
+    assert "HF_TOKEN" not in env  # the server never downloads; the init container fetches, with the token
+    assert env["HF_HUB_OFFLINE"]["value"] == "1"
+    (init,) = pod["initContainers"]
+    assert env_of(init)["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
     pvc = one(docs, "PersistentVolumeClaim")
     assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     claim = next(v for v in pod["volumes"] if v["name"] == "model-cache")["persistentVolumeClaim"]["claimName"]
@@ -354,10 +357,10 @@ def test_existing_claim_is_used_not_created(render):
 
 def test_image_tag_and_digest(render):
     _, _, c = server(render())
-    assert c["image"] == "ghcr.io/specserve/specserve:0.1.0-cpu"
+    assert c["image"] == "registry.example.com/specserve:0.1.0-cpu"  # tests/helm/image-values.yaml
     digest = "sha256:" + "a" * 64
     _, _, c = server(render(sets=(f"image.digest={digest}",)))
-    assert c["image"] == f"ghcr.io/specserve/specserve@{digest}"
+    assert c["image"] == f"registry.example.com/specserve@{digest}"
     _, _, c = server(render(sets=("image.tag=dev",)))
     assert c["image"].endswith(":dev")
 
@@ -568,7 +571,7 @@ def test_schema_rejects_bad_values(chart, tmp_path, name):
     bad, field = BAD_VALUES[name]
     planted = tmp_path / f"{name}.yaml"
     planted.write_text(yaml.safe_dump(bad))
-    lint = chart.helm(["lint", "--strict", str(chart.path), "-f", str(planted)], check=False)
+    lint = chart.helm(["lint", "--strict", str(chart.path), "-f", chart.image_values, "-f", str(planted)], check=False)
     assert lint.returncode != 0, f"helm lint --strict accepted {bad}"
     assert field in (lint.stdout + lint.stderr), lint.stdout + lint.stderr
     tmpl = chart.helm(chart.template_args(values=(str(planted),)), check=False)
@@ -581,7 +584,7 @@ def test_good_values_lint_clean(chart, tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text(yaml.safe_dump({"method": {"name": "eagle3", "numSpeculativeTokens": 1},
                                     "parallelism": {"tensorParallelSize": 0}}))
-    lint = chart.helm(["lint", "--strict", str(chart.path), "-f", str(good)], check=False)
+    lint = chart.helm(["lint", "--strict", str(chart.path), "-f", chart.image_values, "-f", str(good)], check=False)
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
@@ -609,7 +612,8 @@ def test_install_notes_render(chart, tmp_path, case, apis):
     shutil.copy(copy / "templates" / "NOTES.txt", copy / "notes-under-test.txt")
     (copy / "templates" / "zz-notes-probe.yaml").write_text(NOTES_PROBE)
     args = ["template", chart.release, str(copy), "--namespace", chart.namespace,
-            "--kube-version", chart.kube_version, "--show-only", "templates/zz-notes-probe.yaml"]
+            "--kube-version", chart.kube_version, "--show-only", "templates/zz-notes-probe.yaml",
+            "-f", chart.image_values]
     for a in apis:
         args += ["--api-versions", a]
     if case:

@@ -241,7 +241,7 @@ def test_values_schema_rejects(chart, tmp_path, name):
     bad, field = BAD_VALUES[name]
     planted = tmp_path / f"{name}.yaml"
     planted.write_text(yaml.safe_dump(bad))
-    lint = chart.helm(["lint", "--strict", str(chart.path), "-f", str(planted)], check=False)
+    lint = chart.helm(["lint", "--strict", str(chart.path), "-f", chart.image_values, "-f", str(planted)], check=False)
     assert lint.returncode != 0 and field in (lint.stdout + lint.stderr), lint.stdout + lint.stderr
     tmpl = chart.helm(chart.template_args(values=(str(planted),)), check=False)
     assert tmpl.returncode != 0 and "values don't meet the specifications of the schema" in tmpl.stderr
@@ -292,7 +292,7 @@ def test_install_notes(chart, tmp_path, apis, sets):
     shutil.copy(copy / "templates" / "NOTES.txt", copy / "notes-under-test.txt")
     (copy / "templates" / "zz-notes-probe.yaml").write_text(NOTES_PROBE)
     args = ["template", chart.release, str(copy), "--namespace", chart.namespace, "--kube-version", chart.kube_version,
-            "--show-only", "templates/zz-notes-probe.yaml", "-f", str(chart.ci_dir / POOL[0])]  # fmt: skip
+            "--show-only", "templates/zz-notes-probe.yaml", "-f", chart.image_values, "-f", str(chart.ci_dir / POOL[0])]  # fmt: skip
     for a in apis:
         args += ["--api-versions", a]
     for s in sets:

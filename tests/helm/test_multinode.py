@@ -126,5 +126,5 @@ def test_layouts_the_chart_refuses(chart, sets, message):
 def test_schema_rejects_bad_multinode_values(chart, tmp_path, bad, field):
     planted = tmp_path / "bad.yaml"
     planted.write_text(yaml.safe_dump(bad))
-    lint = chart.helm(["lint", "--strict", str(chart.path), "-f", str(planted)], check=False)
+    lint = chart.helm(["lint", "--strict", str(chart.path), "-f", chart.image_values, "-f", str(planted)], check=False)
     assert lint.returncode != 0 and field in (lint.stdout + lint.stderr), lint.stdout + lint.stderr

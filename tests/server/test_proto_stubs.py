@@ -49,7 +49,8 @@ def test_service_shape():
     service = specserve_pb2.DESCRIPTOR.services_by_name["SpecServe"]
     assert service.full_name == "specserve.v1.SpecServe"
     methods = {m.name: (m.client_streaming, m.server_streaming) for m in service.methods}
-    assert methods == {"Generate": (False, False), "GenerateStream": (False, True), "GetModelInfo": (False, False)}
+    assert methods == {"Generate": (False, False), "GenerateStream": (False, True), "GetModelInfo": (False, False),
+                       "Transcribe": (False, False), "TranscribeStream": (False, True)}
     sp = specserve_pb2.SamplingParams.DESCRIPTOR
     # Fields whose default differs from the proto3 zero must track presence.
     for name in ("temperature", "top_p", "max_tokens", "seed"):

@@ -93,13 +93,38 @@ name: {{ include "specserve.fullname" . }}
 {{- if gt (int .Values.parallelism.tensorParallelSize) 0 }}cuda{{ else }}cpu{{ end }}
 {{- end }}
 
+{{/* The server image: image.repository is required (no image is published for you). */}}
 {{- define "specserve.image" -}}
+{{- $repo := required "image.repository is required: set it to the specserve image you built (docker/Dockerfile.cpu or docker/Dockerfile.cuda) and pushed or loaded into your cluster, e.g. --set image.repository=specserve for a local build loaded into kind; see docs/deploy.md" .Values.image.repository }}
 {{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion (include "specserve.device" .)) }}
 {{- if .Values.image.digest }}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- printf "%s@%s" $repo .Values.image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- printf "%s:%s" $repo $tag }}
 {{- end }}
+{{- end }}
+
+{{/* model.hubId with its revision: org/name[@revision]; empty without a hubId. */}}
+{{- define "specserve.hubModel" -}}
+{{- with .Values.model.hubId }}{{ . }}{{ with $.Values.model.revision }}@{{ . }}{{ end }}{{ end }}
+{{- end }}
+
+{{/*
+The Hugging Face ids the init container fetches into the model cache, space-separated:
+model.hubId[@revision], and method.model when it is a Hugging Face id (org/name[@rev]).
+*/}}
+{{- define "specserve.fetchIds" -}}
+{{- $ids := list }}
+{{- with include "specserve.hubModel" . }}{{ $ids = append $ids . }}{{ end }}
+{{- with .Values.method.model }}
+{{- if regexMatch "^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[A-Za-z0-9_./-]+)?$" . }}{{ $ids = append $ids . }}{{ end }}
+{{- end }}
+{{- join " " $ids }}
+{{- end }}
+
+{{/* "true" when an init container fetches models (ids to fetch and modelCache.offline false). */}}
+{{- define "specserve.fetching" -}}
+{{- if and (include "specserve.fetchIds" .) (not .Values.modelCache.offline) }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -110,11 +135,14 @@ model, method, K, draft, parallelism, device, server, then config.extraOverrides
 {{- $v := .Values }}
 {{- $tp := int $v.parallelism.tensorParallelSize }}
 model={{ $v.model.name }}
+{{ with include "specserve.hubModel" . }}model.path={{ if contains "@" . }}'{{ . }}'{{ else }}{{ . }}{{ end }}
+model.name={{ $v.model.hubId }}
+{{ end -}}
 {{ with $v.model.dtype }}model.dtype={{ . }}
 {{ end }}
 {{- with $v.method.name }}+method={{ . }}
 method.num_speculative_tokens={{ int $v.method.numSpeculativeTokens }}
-{{ with $v.method.model }}method.model={{ . }}
+{{ with $v.method.model }}method.model={{ if contains "@" . }}'{{ . }}'{{ else }}{{ . }}{{ end }}
 {{ end }}
 {{- end }}
 {{- with $v.draft.name }}draft={{ . }}

@@ -79,6 +79,59 @@ spec:
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- if include "specserve.fetching" . }}
+  # Fetches the Hugging Face models the server loads into the model cache before it starts
+  # (huggingface_hub's snapshot download; cached ones are not fetched again).
+  initContainers:
+    - name: fetch-model
+      image: {{ include "specserve.image" . }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      command:
+        - python
+        - -m
+        - specserve.hub
+        - fetch
+        {{- range splitList " " (include "specserve.fetchIds" .) }}
+        - {{ . | quote }}
+        {{- end }}
+      env:
+        - name: HF_HOME
+          value: {{ printf "%s/huggingface" .Values.modelCache.mountPath | quote }}
+        - name: HOME
+          value: /tmp
+        - name: XDG_CACHE_HOME
+          value: /tmp/.cache
+        - name: HF_HUB_DISABLE_TELEMETRY
+          value: "1"
+        - name: PYTHONUNBUFFERED
+          value: "1"
+        {{- with .Values.huggingface.tokenSecret.name }}
+        - name: HF_TOKEN
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $root.Values.huggingface.tokenSecret.key }}
+        {{- end }}
+      resources:
+        {{- toYaml .Values.modelCache.fetchResources | nindent 8 }}
+      securityContext:
+        runAsNonRoot: true
+        runAsUser: {{ int .Values.podSecurityContext.runAsUser }}
+        runAsGroup: {{ int .Values.podSecurityContext.runAsGroup }}
+        allowPrivilegeEscalation: false
+        privileged: false
+        readOnlyRootFilesystem: true
+        capabilities:
+          drop:
+            - ALL
+        seccompProfile:
+          type: RuntimeDefault
+      volumeMounts:
+        - name: model-cache
+          mountPath: {{ .Values.modelCache.mountPath }}
+        - name: tmp
+          mountPath: /tmp
+  {{- end }}
   containers:
     - name: specserve
       image: {{ include "specserve.image" . }}
@@ -110,9 +163,14 @@ spec:
           value: {{ printf "%s/models" .Values.modelCache.mountPath | quote }}
         - name: HF_HOME
           value: {{ printf "%s/huggingface" .Values.modelCache.mountPath | quote }}
-        {{- if .Values.modelCache.offline }}
+        # The server never downloads: models come from the image or the cache (the init
+        # container fetches model.hubId there first, unless modelCache.offline).
         - name: HF_HUB_OFFLINE
           value: "1"
+        {{- if and .Values.modelCache.offline (include "specserve.fetchIds" .) }}
+        # Named in the one-line error when a model.hubId is missing from the cache.
+        - name: SPECSERVE_MODEL_FETCH_HINT
+          value: "modelCache.offline=true: the chart fetches nothing; set modelCache.offline=false to fetch it in an init container, or fill the cache volume first"
         {{- end }}
         - name: HOME
           value: /tmp
@@ -122,13 +180,6 @@ spec:
           value: {{ ternary (printf "%s/triton" .Values.modelCache.mountPath) "/tmp/triton" (eq .Values.tritonCache.location "modelCache") | quote }}
         - name: PYTHONUNBUFFERED
           value: "1"
-        {{- with .Values.huggingface.tokenSecret.name }}
-        - name: HF_TOKEN
-          valueFrom:
-            secretKeyRef:
-              name: {{ . }}
-              key: {{ $root.Values.huggingface.tokenSecret.key }}
-        {{- end }}
         {{- with .Values.apiKey.secret.name }}
         - name: SPECSERVE_API_KEY
           valueFrom:

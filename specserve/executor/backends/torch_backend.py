@@ -48,7 +48,7 @@ class TorchRunner(Runner):
         if device_token_ids is not None:
             batch.token_ids = device_token_ids.tolist()
         meta, input_ids, positions = self._metadata(batch)
-        hidden, aux = self.model(input_ids, positions, meta, self.kv, aux_layer_ids)
+        hidden, aux = self.model(input_ids, positions, meta, self.kv, aux_layer_ids, batch.input_embeds)
         rows = batch.logits_rows
         sel = hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)] if rows else hidden[:0]
         return ForwardOutput(logits=self.model.compute_logits(sel), hidden=sel, aux=aux, row_offsets=batch.row_offsets)

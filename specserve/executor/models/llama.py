@@ -1,4 +1,10 @@
-"""specserve's own Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3).
+"""specserve's own Llama-family transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Granite).
+
+Granite's multipliers (``attention_multiplier``, ``residual_multiplier``,
+``embedding_multiplier``, ``logits_scaling``) are folded into the weights at load time
+(``executor.loader.fold_granite_multipliers``), so every backend runs them unchanged;
+``ArchConfig.embedding_multiplier`` stays for input embeddings given from elsewhere
+(a speech projector's rows), scaled like the token embeddings they replace.
 
 One forward runs a flattened batch of ragged sequences: prefill chunks, decode
 tokens and the K+1 verification positions of many requests, all as one token
@@ -35,6 +41,9 @@ class ArchConfig:
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k
     sliding_window: int | None
     model_type: str
+    # Granite: the token embeddings' multiplier (folded into embed_tokens at load time; rows
+    # given as input embeddings are multiplied by it when they replace token embeddings).
+    embedding_multiplier: float = 1.0
 
     @classmethod
     def from_hf(cls, c: Any) -> "ArchConfig":
@@ -59,10 +68,11 @@ class ArchConfig:
             qk_norm=model_type == "qwen3",
             sliding_window=window,
             model_type=model_type,
+            embedding_multiplier=float(getattr(c, "embedding_multiplier", 1.0) or 1.0),
         )
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")
 
 
 class RMSNorm(nn.Module):
@@ -215,8 +225,17 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         kv: Any,
         aux_layer_ids: tuple[int, ...] = (),
+        input_embeds: list[tuple[int, Tensor]] | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
+        """``input_embeds``: (first row on T, (n, H) embeddings) pairs whose rows replace
+        the token embeddings of those rows (``StepBatch.input_embeds``)."""
         x = self.embed_tokens(input_ids)  # (T, H)
+        if input_embeds:
+            x = x.clone()
+            m = self.a.embedding_multiplier
+            for row, rows in input_embeds:
+                src = rows.to(device=x.device, dtype=x.dtype)
+                x[row : row + src.shape[0]] = src * m if m != 1.0 else src
         cos, sin = self.rotary.tables(positions, x.dtype)
         aux: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,67 @@
+"""``+method=ctc``: CTC-draft self-speculation for speech models (arXiv 2603.11243; the
+proposer: ``specserve.proposers.ctc``).
+
+A speech model's encoder has a CTC head; its greedy hypothesis of the recording, re-tokenized
+with the text model's tokenizer, is the draft of the transcript.  Two acceptance modes
+(``method.ctc_acceptance``):
+
+* ``exact`` (default, lossless): the hypothesis is drafted like a Predicted Output (one
+  re-synchronising drafter, ``proposers.prediction``); the prompt's last chunk carries as
+  much of it as the step allows, so a short recording's transcript is verified in the
+  prefill's forward; the output is what plain decoding gives.
+* ``relaxed`` (the paper's rule, lossy: ``lossless="false"`` in metrics): a greedy request
+  whose CTC posteriors' largest per-frame entropy (nats, blank included) is at most
+  ``ctc_entropy_threshold`` takes the CTC text as its answer with no LLM forward; else
+  the first forward verifies the whole hypothesis and accepts it when every draft token's
+  probability is at least ``ctc_confidence_threshold``; else ``ctc_fallback``: ``resume``
+  (the accepted prefix kept, decoding goes on with the hypothesis re-synchronised as
+  drafts) or ``restart`` (the hypothesis dropped, plain decoding from the prompt, as
+  IBM's evaluation scripts do, without their 2-beam search).  Sampled requests are
+  verified as in ``exact``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.errors import ConfigError
+from specserve.methods import MethodSpec, SpeculativeConfig, register
+
+ACCEPTANCE_MODES = ("exact", "relaxed")
+FALLBACKS = ("resume", "restart")
+
+
+@dataclass
+class CtcOptions(SpeculativeConfig):
+    ctc_acceptance: str = "exact"
+    ctc_entropy_threshold: float = 0.7  # nats; the gate is off at 0 or below
+    ctc_confidence_threshold: float = 0.2
+    ctc_fallback: str = "resume"
+
+    @property
+    def lossless(self) -> bool:
+        return super().lossless and self.ctc_acceptance == "exact"
+
+    def validate(self) -> None:
+        if self.ctc_acceptance not in ACCEPTANCE_MODES:
+            raise ConfigError("method.ctc_acceptance", f"must be one of {', '.join(ACCEPTANCE_MODES)}; "
+                                                       f"got {self.ctc_acceptance!r}")
+        if self.ctc_fallback not in FALLBACKS:
+            raise ConfigError("method.ctc_fallback", f"must be one of {', '.join(FALLBACKS)}; got {self.ctc_fallback!r}")
+        t = self.ctc_entropy_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
+            raise ConfigError("method.ctc_entropy_threshold", f"must be a number (nats), got {t!r}")
+        c = self.ctc_confidence_threshold
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+            raise ConfigError("method.ctc_confidence_threshold", f"must be a probability in [0, 1], got {c!r}")
+        if self.rejection_sample_method == "synthetic":
+            raise ConfigError("method.rejection_sample_method", "synthetic is not available with +method=ctc")
+
+
+register(MethodSpec(
+    name="ctc",
+    summary="the speech encoder's greedy CTC transcript, re-synchronised like a Predicted Output (speech models)",
+    proposer="specserve.proposers.ctc:build",
+    options=CtcOptions,
+    needs_model=False,
+))

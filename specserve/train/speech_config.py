@@ -1,0 +1,105 @@
+"""The schema of ``specserve-train --config-name train/<speech preset>``: training a speech
+encoder (character CTC) and a projector for a frozen text model, in the Granite Speech
+layout (``specserve.train.speech``).  No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from specserve.errors import ConfigError
+
+
+@dataclass
+class SpeechDataConfig:
+    num_sentences: int = 8000  # training sentences (ShareGPT training pool, held-out fixtures excluded)
+    num_valid: int = 64  # further sentences, spoken the same way, for the progress lines
+    exclude_file: str = "tests/fixtures/speech/sentences.txt"  # held-out sentences (never trained on)
+    voice: str = "en-us"
+    wpm: list[int] = field(default_factory=lambda: [150, 200])  # words per minute, drawn per sentence
+    pitch: list[int] = field(default_factory=lambda: [35, 65])
+    noise_snr_db: list[float] = field(default_factory=lambda: [25.0, 60.0])  # white noise, drawn per batch item
+    noise_prob: float = 0.5
+    gain_db: list[float] = field(default_factory=lambda: [-6.0, 6.0])
+    seed: int = 0
+
+
+@dataclass
+class SpeechEncoderConfig:
+    num_layers: int = 4
+    hidden_dim: int = 192
+    num_heads: int = 4
+    feedforward_mult: int = 4
+    output_dim: int = 128  # CTC labels: Unicode code points 1..127 (ASCII), blank 0
+    context_size: int = 200
+    max_pos_emb: int = 512
+    conv_kernel_size: int = 15
+    conv_expansion_factor: int = 2
+    dropout: float = 0.1
+
+
+@dataclass
+class SpeechProjectorConfig:
+    hidden_size: int = 192
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    intermediate_size: int = 768
+    window_size: int = 15
+    downsample_rate: int = 5
+
+
+@dataclass
+class SpeechStageConfig:
+    max_steps: int = 2000
+    max_minutes: float = 35.0  # the stage ends at whichever comes first; the lr schedule follows both
+    lr: float = 1.5e-3
+    warmup_steps: int = 100
+    batch_size: int = 16
+    checkpoint_every: int = 50
+
+
+@dataclass
+class SpeechTrainConfig:
+    model: Any = field(default_factory=lambda: {"name": "smollm2-135m-instruct",
+                                                "path": "embedded:smollm2-135m-instruct"})
+    data: SpeechDataConfig = field(default_factory=SpeechDataConfig)
+    encoder: SpeechEncoderConfig = field(default_factory=SpeechEncoderConfig)
+    projector: SpeechProjectorConfig = field(default_factory=SpeechProjectorConfig)
+    ctc: SpeechStageConfig = field(default_factory=SpeechStageConfig)
+    # The projector's outputs aligned with the text model's token embeddings by a CTC over
+    # its vocabulary (no LLM forward; max_steps 0 skips it), before the LM loss.
+    embed: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
+        max_steps=3000, max_minutes=10.0, lr=2e-3, warmup_steps=30, batch_size=16, checkpoint_every=50))
+    align: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
+        max_steps=3000, max_minutes=75.0, lr=5e-4, warmup_steps=50, batch_size=8, checkpoint_every=25))
+    # The audio placeholder's token id in the text model's vocabulary (a token plain text
+    # never produces; SmolLM2's <empty_output>).
+    audio_token_index: int = 16
+    # The prompt the model is trained with (written to its config, used by every door):
+    # a short system turn and no instruction keep training sequences short.
+    prompt_system: Optional[str] = "Transcribe the audio."
+    prompt_instruction: Optional[str] = ""
+    num_threads: Optional[int] = 1
+    cache_dir: Optional[str] = None  # model.cache_dir for the text model's conversion
+    output_dir: str = "outputs/speech-smollm2-135m"  # checkpoints (resumable) and the exported model
+    export_dir: Optional[str] = None  # also copy the exported model here (the package's asset)
+
+
+def register_speech_configs(cs: Any) -> None:
+    cs.store(name="specserve_train_speech_schema", node=SpeechTrainConfig)
+
+
+def validate_speech_config(cfg: SpeechTrainConfig) -> SpeechTrainConfig:
+    for key, value in (("data.num_sentences", cfg.data.num_sentences), ("encoder.num_layers", cfg.encoder.num_layers),
+                       ("encoder.hidden_dim", cfg.encoder.hidden_dim), ("ctc.batch_size", cfg.ctc.batch_size),
+                       ("align.batch_size", cfg.align.batch_size), ("projector.window_size", cfg.projector.window_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(key, f"must be an integer >= 1, got {value!r}")
+    if cfg.encoder.hidden_dim % cfg.encoder.num_heads:
+        raise ConfigError("encoder.num_heads", f"must divide encoder.hidden_dim ({cfg.encoder.hidden_dim})")
+    if cfg.projector.window_size % cfg.projector.downsample_rate:
+        raise ConfigError("projector.downsample_rate", "must divide projector.window_size")
+    if cfg.encoder.output_dim < 128:
+        raise ConfigError("encoder.output_dim", "must be >= 128 (ASCII code points are the CTC labels)")
+    return cfg

@@ -1,0 +1,43 @@
+"""``specserve-bench bench.dataset=audio`` on a tiny speech model: one run gives WER, RTFx
+and the stage counts of plain decoding, ctc exact and ctc relaxed, and ctc exact's
+transcripts equal plain decoding's (the figures' values are not asserted: no clocks)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from specserve.audio.decode import encode_wav
+from specserve.bench_audio import load_dataset, wer
+from specserve.cli import bench_main
+from tests.engine_utils import one_thread  # noqa: F401
+from tests.tiny_models import make_tiny_speech_model
+
+
+def test_wer_normalises_both_sides():
+    assert wer(["Hello, World!"], ["hello world"]) == 0.0
+    assert wer(["a b c d"], ["a x c"]) == 0.5
+
+
+def test_audio_bench_writes_every_run(tmp_path):
+    d = make_tiny_speech_model(tmp_path / "m", "granite", seed=3)
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i, s in enumerate((0.8, 1.4)):
+        (data / f"r{i}.wav").write_bytes(encode_wav((0.2 * rng.standard_normal(int(s * 16000))).astype(np.float32)))
+        (data / f"r{i}.txt").write_text(f"w{i} w{i + 1}\n")
+    assert [n for n, _, _ in load_dataset(str(data), 0)] == ["r0.wav", "r1.wav"]
+    out = tmp_path / "bench.json"
+    rc = bench_main([f"model.path={d}", "model.dtype=float32", "bench.dataset=audio", f"bench.audio_dir={data}",
+                     f"bench.output={out}", "engine.num_kv_blocks=256", "engine.block_size=4",
+                     "engine.speculation=fixed", "bench.interleave=true"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert set(report["runs"]) == {"plain", "ctc_exact", "ctc_relaxed"}
+    for run in report["runs"].values():
+        assert run["rtfx"] > 0 and 0 <= run["wer"]
+    assert report["runs"]["ctc_exact"]["texts_differing_from_plain"] == 0
+    assert sum(report["runs"]["ctc_exact"]["ctc_stages"].values()) == 2
+    assert report["config"]["audio_seconds"] == 2.2 and len(report["transcripts"]) == 2

@@ -1,0 +1,68 @@
+"""The embedded speech model (model=smollm2-135m-speech: the encoder and projector shipped in
+the package, paired with the embedded SmolLM2): it loads without any download, its encoder's
+CTC transcripts of held-out fixtures it never trained on (their sentences are excluded from
+its training data) are within the measured word error rate, and +method=ctc exact returns
+plain decoding's transcripts.  (Its projector did not converge in the training budget: the
+LLM's own transcripts are not asserted; docs/speech.md.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from specserve.audio.decode import decode_audio
+from specserve.audio.offline import transcribe_recordings
+from specserve.audio.transcription import TranscriptionOptions
+from specserve.bench_audio import wer
+from specserve.engine.engine import LLMEngine
+from specserve.llm import LLM
+from tests.engine_utils import one_thread  # noqa: F401
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "speech"
+ASSET = Path(__file__).resolve().parents[2] / "specserve" / "assets" / "smollm2-135m-speech"
+NUM = 6  # recordings checked here (the benchmark runs all 30)
+
+
+@pytest.fixture(scope="module")
+def fixtures():
+    rows = [json.loads(x) for x in (FIXTURES / "transcripts.jsonl").read_text().splitlines() if x.strip()][:NUM]
+    return [(decode_audio((FIXTURES / r["file"]).read_bytes()), r["text"]) for r in rows]
+
+
+def test_the_asset_is_small_and_in_transformers_layout():
+    cfg = json.loads((ASSET / "config.json").read_text())
+    assert cfg["model_type"] == "granite_speech" and cfg["has_lora_adapter"] is False
+    assert cfg["specserve"]["text_model"] == "embedded:smollm2-135m-instruct"
+    size = sum(f.stat().st_size for f in ASSET.iterdir())
+    assert size <= 40 * 1024 * 1024
+
+
+def test_it_transcribes_held_out_speech_and_ctc_exact_equals_plain(fixtures):
+    llm = LLM("smollm2-135m-speech", speculative_config={"method": "ctc", "num_speculative_tokens": 32},
+              num_kv_blocks=512, num_threads=1)
+    eng = llm.engine
+    plain = LLMEngine(dataclasses.replace(eng.cfg, method=None), target=eng.target)
+    audios = [a for a, _ in fixtures]
+    ctc = transcribe_recordings(eng, audios, TranscriptionOptions())
+    ref = transcribe_recordings(plain, audios, TranscriptionOptions())
+    assert [t.text for t in ctc] == [t.text for t in ref]
+    assert sum(sum(t.ctc_stages.values()) for t in ctc) == NUM
+    assert eng.blocks.usage == 0 and plain.blocks.usage == 0
+    # the encoder's own transcripts (the CTC hypotheses that draft): 37% WER measured on all 30
+    refs = [t for _, t in fixtures]
+    hyps = []
+    for a, _ in fixtures:
+        enc = eng.speech.runner.encode(a.samples)
+        hyps.append(eng.proposer.hypothesis(_Seq(), enc.ctc_log_probs).text)
+    assert wer(refs, hyps) <= CTC_WER_BOUND
+
+
+CTC_WER_BOUND = 0.5  # measured 0.37 on the 30 fixtures, 0.43 on these 6; room for other CPUs' numerics
+
+
+class _Seq:
+    class params:  # noqa: N801 (a stand-in for SamplingParams)
+        temperature = 0.0

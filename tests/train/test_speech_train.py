@@ -1,0 +1,61 @@
+"""The speech trainer's stages on a tiny text model and synthetic clips (no synthesizer):
+CTC, embed and align each run, checkpoint and skip when rerun (resumable), and the export
+loads through the executor's loader as a speech model whose engine transcribes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.train import speech as S
+from specserve.train.speech_config import SpeechTrainConfig, validate_speech_config
+from tests.engine_utils import one_thread  # noqa: F401
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    text = make_tiny_model(tmp_path_factory.mktemp("text"))
+    out = tmp_path_factory.mktemp("speech-train")
+    cfg = SpeechTrainConfig(model={"name": "tiny", "path": str(text)}, output_dir=str(out), audio_token_index=495)
+    cfg.encoder.num_layers, cfg.encoder.hidden_dim, cfg.encoder.num_heads = 2, 32, 2
+    cfg.projector.hidden_size, cfg.projector.num_attention_heads, cfg.projector.intermediate_size = 16, 2, 32
+    cfg.prompt_system, cfg.prompt_instruction = None, "w7"
+    for stage in (cfg.ctc, cfg.embed, cfg.align):
+        stage.max_steps, stage.checkpoint_every, stage.batch_size, stage.warmup_steps = 2, 1, 2, 1
+    validate_speech_config(cfg)
+    rng = np.random.default_rng(0)
+    clips = [(0.3 * rng.standard_normal(int(s * 16000))).astype(np.float32) for s in (0.6, 0.9, 0.7, 1.1, 0.5, 0.8)]
+    offsets = np.cumsum([0] + [len(c) for c in clips])
+    data = {"samples": (np.concatenate(clips) * 32767).astype(np.int16), "offsets": offsets,
+            "texts": ["w10 w11", "w12 w13 w14", "w15", "w16 w17", "w18", "w19 w20"], "num_train": 4}
+    return cfg, data, out
+
+
+def test_every_stage_runs_resumes_and_exports_a_loadable_model(setup):
+    cfg, data, out = setup
+    torch.manual_seed(0)
+    enc, proj = S.model_configs(cfg, 64)
+    model = S.SpeechModel(enc, proj)
+    S.train_ctc(cfg, model, data, out)
+    S.train_embed(cfg, model, data, out)
+    S.train_align(cfg, model, data, out)
+    for name in ("ctc.pt", "embed.pt", "align.pt"):
+        state = torch.load(out / name, weights_only=False)
+        assert state["done"] and state["step"] == 2, name
+    before = (out / "align.pt").stat().st_mtime_ns
+    S.train_align(cfg, model, data, out)  # a finished stage is skipped
+    assert (out / "align.pt").stat().st_mtime_ns == before
+
+    from transformers import AutoConfig
+
+    S.export(cfg, model, out / "model", AutoConfig.from_pretrained(cfg.model["path"]))
+    from specserve.audio.decode import encode_wav
+    from specserve.llm import LLM
+
+    llm = LLM(str(out / "model"), dtype="float32", num_kv_blocks=128, block_size=4)
+    assert llm.engine.target.speech.instruction == "w7"
+    [t] = llm.transcribe(encode_wav(data["samples"][: data["offsets"][1]].astype(np.float32) / 32767))
+    assert t.segments and t.duration_s == pytest.approx(0.6)
+    assert llm.engine.blocks.usage == 0
