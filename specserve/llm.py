@@ -445,7 +445,7 @@ class LLM:
 
     def _planned(self, plan: Any, params: SamplingParams, ids: list[int]) -> SamplingParams:
         """A request's params with the plan's forced-call grammar, reasoning markers and budget."""
-        from specserve.server.chat_tools import apply_plan
+        from specserve.formats.chat import apply_plan
 
         plan = replace(plan, thinking_token_budget=params.thinking_token_budget)
         return apply_plan(plan, replace(params), ids, self.tokenizer, field="structured_outputs")

@@ -14,6 +14,8 @@ and the answer need.
   ``tool_calls`` with their arguments as objects (sent as JSON strings), ``tool`` messages
   with their ``tool_call_id``, ``reasoning`` / ``reasoning_content`` as
   ``reasoning_content``.
+* :func:`apply_plan`: a plan's grammar, reasoning markers and budget onto a request's
+  ``SamplingParams``; :func:`reasoning_tokens`: how many of an answer's tokens are reasoning.
 * :class:`ChatPlan`: one request's plan: the tools handed to the template, the grammar that
   enforces "required" and a named function (the tool-call format's own syntax, or plain
   JSON when the model has none; one call when ``parallel_tool_calls`` is false), the
@@ -39,11 +41,11 @@ from specserve.formats.tools.base import (
     resolve_tags,
     tag_token,
 )
-from specserve.request import ReasoningParams, StructuredOutputsParams
+from specserve.request import ReasoningParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
-    "Answer", "ChatFormats", "ChatPlan", "MAX_TOOLS", "ToolChoice", "parse_template_kwargs", "parse_tool_choice",
-    "parse_tools", "template_messages",
+    "Answer", "ChatFormats", "ChatPlan", "MAX_TOOLS", "ToolChoice", "apply_plan", "parse_template_kwargs",
+    "parse_tool_choice", "parse_tools", "reasoning_tokens", "template_messages",
 ]  # fmt: skip
 
 MAX_TOOLS = 128
@@ -580,3 +582,40 @@ class Answer:
 
 def call_dict(c: ToolCall) -> dict[str, Any]:
     return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def apply_plan(plan: ChatPlan, params: SamplingParams, prompt_ids: list[int], tokenizer: Any,
+               field: str = "response_format") -> SamplingParams:  # fmt: skip
+    """``params`` with the plan's grammar (a forced call), reasoning markers and budget."""
+    forced = plan.structured(tokenizer)
+    if forced is not None:
+        if params.structured_outputs is None:
+            params.structured_outputs = forced
+        elif plan.choice.mode != "auto":  # (auto: the response format is the grammar)
+            raise InvalidRequestError(field, f'cannot be combined with tool_choice {plan.choice.mode!r} (the call '
+                                      "is the answer's format)")  # fmt: skip
+    params.thinking_token_budget = plan.thinking_token_budget
+    needs_gate = params.structured_outputs is not None or plan.thinking_token_budget is not None
+    if plan.reasoning_on and needs_gate:
+        params.reasoning = plan.reasoning_params(tokenizer, prompt_ids)
+    return params
+
+
+def reasoning_tokens(plan: ChatPlan, tokenizer: Any, state: str | None, token_ids: list[int]) -> int:
+    """How many of an answer's tokens are reasoning: those before its end marker's tokens
+    (after a start marker the answer opened with), all of them when it never ended."""
+    if state is None or state == "closed" or not plan.reasoning_on:
+        return 0
+    starts, ends, _ = plan.formats.markers(tokenizer)
+    ids = list(token_ids)
+    first = 0
+    if state == "optional":
+        opened = [s for s in starts if s and ids[: len(s)] == s]
+        if not opened:
+            return 0
+        first = len(opened[0])
+    for k in range(first, len(ids)):
+        for e in ends:
+            if e and ids[k : k + len(e)] == e:
+                return k - first
+    return len(ids) - first

@@ -10,9 +10,6 @@ gRPC (``grpc_service``), around ``specserve.formats.chat``:
 * :func:`render_chat`: validate a request's tools and messages (control tokens outside
   message contents, tool schemas) and render the prompt with its tools and
   ``chat_template_kwargs``, in the front end's worker threads;
-* :func:`apply_plan`: the grammar of a forced call ("required", a named function), the
-  reasoning markers for the engine's gate and the thinking budget, onto the request's
-  ``SamplingParams``;
 * :class:`ChatAnswers`: each choice's answer parsed as it streams (``Answer``): the whole
   message, or the deltas of one engine output as OpenAI's chunks.
 """
@@ -29,9 +26,8 @@ from specserve.formats.chat import (
     check_tool_schemas,
     control_token_problem,
 )
-from specserve.request import SamplingParams
 
-__all__ = ["ChatAnswers", "apply_plan", "chat_formats", "chat_plan", "reasoning_tokens", "render_chat"]
+__all__ = ["ChatAnswers", "chat_formats", "chat_plan", "render_chat"]
 
 _FORMATS_ATTR = "_chat_formats"
 
@@ -78,23 +74,6 @@ async def render_chat(fe: Any, messages: list[dict[str, Any]], plan: ChatPlan, f
         await fe.run_off_loop(checks)
     return await fe.tokenize_messages_async(messages, add_special_tokens, truncate, tools=plan.template_tools,
                                             template_kwargs=plan.template_kwargs)  # fmt: skip
-
-
-def apply_plan(plan: ChatPlan, params: SamplingParams, prompt_ids: list[int], tokenizer: Any,
-               field: str = "response_format") -> SamplingParams:  # fmt: skip
-    """``params`` with the plan's grammar (a forced call), reasoning markers and budget."""
-    forced = plan.structured(tokenizer)
-    if forced is not None:
-        if params.structured_outputs is None:
-            params.structured_outputs = forced
-        elif plan.choice.mode != "auto":  # (auto: the response format is the grammar)
-            raise InvalidRequestError(field, f'cannot be combined with tool_choice {plan.choice.mode!r} (the call '
-                                      "is the answer's format)")  # fmt: skip
-    params.thinking_token_budget = plan.thinking_token_budget
-    needs_gate = params.structured_outputs is not None or plan.thinking_token_budget is not None
-    if plan.reasoning_on and needs_gate:
-        params.reasoning = plan.reasoning_params(tokenizer, prompt_ids)
-    return params
 
 
 class ChatAnswers:
@@ -150,23 +129,3 @@ class ChatAnswers:
                 out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": None})
             out[0]["logprobs"] = logprobs
         return out
-
-
-def reasoning_tokens(plan: ChatPlan, tokenizer: Any, state: str | None, token_ids: list[int]) -> int:
-    """How many of an answer's tokens are reasoning: those before its end marker's tokens
-    (after a start marker the answer opened with), all of them when it never ended."""
-    if state is None or state == "closed" or not plan.reasoning_on:
-        return 0
-    starts, ends, _ = plan.formats.markers(tokenizer)
-    ids = list(token_ids)
-    first = 0
-    if state == "optional":
-        opened = [s for s in starts if s and ids[: len(s)] == s]
-        if not opened:
-            return 0
-        first = len(opened[0])
-    for k in range(first, len(ids)):
-        for e in ends:
-            if e and ids[k : k + len(e)] == e:
-                return k - first
-    return len(ids) - first

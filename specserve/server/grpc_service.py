@@ -39,7 +39,8 @@ from specserve.server.errors import (
     public_message,
 )
 from specserve.server.frontend import Frontend, PreparedRequest, SamplingFields, printable
-from specserve.server.chat_tools import ChatAnswers, apply_plan, render_chat
+from specserve.formats.chat import apply_plan
+from specserve.server.chat_tools import ChatAnswers, render_chat
 from specserve.server.grpc_chat import GrpcAnswer, grpc_messages, grpc_plan
 from specserve.v1 import specserve_pb2 as pb
 from specserve.v1 import specserve_pb2_grpc as pb_grpc

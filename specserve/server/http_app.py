@@ -42,9 +42,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from specserve.errors import InvalidRequestError
 from specserve.metrics import exposition
 from specserve.server.audio import add_audio_routes
-from specserve.formats.chat import template_messages
+from specserve.formats.chat import apply_plan, template_messages
 from specserve.server.auth import METRICS_PATH, OPEN_HTTP_PATHS, ApiKeyChecker
-from specserve.server.chat_tools import ChatAnswers, apply_plan, chat_plan, render_chat
+from specserve.server.chat_tools import ChatAnswers, chat_plan, render_chat
 from specserve.server.responses import create_response
 from specserve.server.errors import INTERNAL, classify, openai_error_body
 from specserve.server.frontend import Frontend, SamplingFields, printable

@@ -36,10 +36,10 @@ from typing import Any
 from aiohttp import web
 
 from specserve.errors import InvalidRequestError
-from specserve.formats.chat import ChatPlan, template_messages
+from specserve.formats.chat import ChatPlan, apply_plan, reasoning_tokens, template_messages
 from specserve.formats.tools.base import ToolEvent
 from specserve.request import StructuredOutputsParams
-from specserve.server.chat_tools import apply_plan, chat_plan, reasoning_tokens, render_chat
+from specserve.server.chat_tools import chat_plan, render_chat
 from specserve.server.errors import INTERNAL, classify, openai_error_body
 from specserve.server.frontend import SamplingFields
 
