@@ -55,7 +55,7 @@ def ctc_forced_alignment(logp: np.ndarray, labels: Sequence[int], blank: int = 0
     path = np.zeros(T, dtype=np.int64)
     for t in range(T - 1, -1, -1):
         path[t] = s
-        s -= back[t, s]
+        s -= int(back[t, s])
     frames = [-1] * L
     for t in range(T):
         s = int(path[t])

@@ -63,3 +63,13 @@ def test_tokens_take_their_windows_first_free_positions_and_overflow_moves_on():
     # the last position is the limit
     assert token_slots([58, 59], 60, 15, 3) == [9, 10]
     assert token_slots([], 60, 15, 3) == []
+
+
+def test_alignment_of_a_long_transcript():
+    labels = [1 + k % 5 for k in range(90)]  # 181 path states: past int8 indices
+    path, starts = [], []
+    for lab in labels:
+        path.append(0)
+        starts.append(len(path))
+        path += [lab, lab]
+    assert ctc_forced_alignment(_peaked(path), labels) == starts
