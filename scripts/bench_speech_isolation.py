@@ -120,7 +120,7 @@ def main() -> int:
                    "max_tokens": args.max_tokens, "threads": args.threads,
                    "encoder_frames_per_step": cfg.audio.encoder_frames_per_step,
                    "encoder_frames_beside_decodes": cfg.audio.encoder_frames_beside_decodes,
-                   "prefill_tokens_beside_decodes": cfg.audio.prefill_tokens_beside_decodes,
+                   "tokens_beside_decodes": cfg.audio.tokens_beside_decodes,
                    "max_clip_s": cfg.audio.max_clip_s},
         "text_latency_unloaded_median_s": round(u, 4), "text_latency_loaded_median_s": round(lo, 4),
         "ratio_loaded_over_unloaded": round(lo / u, 3), "text_latencies_unloaded_s": res["unloaded_s"],

@@ -193,7 +193,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
                                    self.max_model_len, e.long_prefill_token_threshold,
                                    pending_drafts=lambda seq: self.requests.num_pending_drafts(seq),
-                                   background_prefill_tokens=cfg.audio.prefill_tokens_beside_decodes)
+                                   background_tokens=cfg.audio.tokens_beside_decodes)
         # Speech models: recordings wait for their encoder pass here (engine.speech), the
         # encoder's per-step budget bounding what they add to a step.
         self.speech = None

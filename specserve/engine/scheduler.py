@@ -15,9 +15,9 @@ before any prefill chunk takes the budget (a long prompt never starves
 decodes), and while other requests wait to be admitted a prefill chunk is
 capped at ``long_prefill_token_threshold`` tokens, so they start in the same
 step instead of queueing behind the whole prompt.  Background sequences (requests with a
-recording) prefill at most ``background_prefill_tokens`` tokens in all in a step where a
-foreground sequence decodes: a long transcription's prompts cost each step of a chat
-request no more than that.
+recording) take at most ``background_tokens`` tokens in all (prefill chunks and decode
+tokens; the drafts of the last one to start may go past it) in a step where a foreground
+sequence decodes: a long transcription costs each step of a chat request no more than that.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Scheduler:
         max_model_len: int,
         long_prefill_token_threshold: int | None = None,
         pending_drafts: Callable[[Sequence], int] | None = None,
-        background_prefill_tokens: int = 0,
+        background_tokens: int = 0,
     ):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
@@ -90,8 +90,8 @@ class Scheduler:
         if long_prefill_token_threshold is None:
             long_prefill_token_threshold = default_long_prefill_token_threshold(max_num_batched_tokens)
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        # Background sequences' prefill tokens in a step where a foreground one decodes (0: no cap).
-        self.background_prefill_tokens = background_prefill_tokens
+        # Background sequences' tokens in a step where a foreground one decodes (0: no cap).
+        self.background_tokens = background_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Prefix caching (blocks.enable_caching): full prompt blocks that an admitted sequence
@@ -216,11 +216,11 @@ class Scheduler:
         return any(not s.background for s in self.running)
 
     def _background_budget(self) -> int:
-        """Background prefill tokens this step may take: the cap while a foreground sequence
-        decodes, else unbounded (the step budget rules)."""
-        if self.background_prefill_tokens > 0 and any(
+        """Background tokens this step may take: the cap while a foreground sequence decodes,
+        else unbounded (the step budget rules)."""
+        if self.background_tokens > 0 and any(
                 not s.background and self._decode_tokens(s) for s in self.running):
-            return self.background_prefill_tokens
+            return self.background_tokens
         return self.max_num_batched_tokens
 
     def schedule(self) -> SchedulerOutput:
@@ -239,7 +239,7 @@ class Scheduler:
             decode = self._decode_tokens(seq)
             reserve -= decode
             n = min(seq.num_uncomputed, budget if decode else min(budget - reserve, cap))
-            if seq.background and not decode:
+            if seq.background:  # runs while background budget is left (its drafts may pass it)
                 n = min(n, background)
             if n <= 0:  # a prefill chunk with no budget left after the decodes: next step
                 i += 1
@@ -258,8 +258,8 @@ class Scheduler:
                 continue  # seq itself was preempted; self.running shifted
             out.scheduled.append(ScheduledSeq(seq, n, sample, room))
             budget -= n + room
-            if seq.background and not decode:
-                background -= n
+            if seq.background:
+                background -= n + room
             i += 1
         # 2. Admit waiting sequences in arrival order (one whose next prompt block another
         #    admitted sequence is computing waits for it, and the next in line goes first).
@@ -292,7 +292,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n, sample, room))
             budget -= n + room
             if seq.background:
-                background -= n
+                background -= n + room
         return out
 
     def commit(self, seq: Sequence, num_computed: int) -> None:

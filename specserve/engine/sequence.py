@@ -47,7 +47,7 @@ class Sequence:
     hypothesis: list[int] | None = None
     # A background sequence's prompt yields to other sequences' decoding: while a foreground
     # sequence decodes, its prefill chunks share the scheduler's small background budget
-    # (a request with a recording; ``Scheduler.background_prefill_tokens``).
+    # (a request with a recording; ``Scheduler.background_tokens``).
     background: bool = False
 
     # Prefix caching: the hash chain of full blocks of token_ids (kv_blocks.chain_hashes),

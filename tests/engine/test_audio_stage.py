@@ -133,7 +133,7 @@ def test_a_text_request_keeps_stepping_beside_queued_recordings(tmp_path):
 
 def test_speech_work_yields_to_a_decoding_text_request_and_outputs_are_unchanged(tmp_path):
     """Beside a decoding text request each step carries at most one encoder pass and
-    ``audio.prefill_tokens_beside_decodes`` prompt tokens of recordings; every output
+    ``audio.tokens_beside_decodes`` tokens of requests with recordings; every output
     (greedy) equals the run without yielding, and nothing is left in the KV cache."""
     import torch
 
@@ -155,7 +155,7 @@ def test_speech_work_yields_to_a_decoding_text_request_and_outputs_are_unchanged
         cfg.engine.num_kv_blocks = 512
         cfg.engine.block_size = 4
         cfg.audio.encoder_frames_beside_decodes = frames
-        cfg.audio.prefill_tokens_beside_decodes = tokens
+        cfg.audio.tokens_beside_decodes = tokens
         eng = LLMEngine(validate_config(cfg), target=loaded)
         steps: list[dict] = []
         schedule, encode = eng.scheduler.schedule, eng.speech.runner.encode
@@ -164,8 +164,7 @@ def test_speech_work_yields_to_a_decoding_text_request_and_outputs_are_unchanged
             out = schedule()
             steps[-1]["text_decodes"] = any(i.seq.request_id == "text" and i.seq.num_uncomputed == 1
                                             for i in out.scheduled)
-            steps[-1]["audio_prefill"] = sum(i.num_new_tokens for i in out.scheduled
-                                             if i.seq.background and i.seq.num_uncomputed > 1)
+            steps[-1]["audio_tokens"] = sum(i.num_new_tokens + i.draft_room for i in out.scheduled if i.seq.background)
             return out
 
         def counting(samples):
@@ -193,8 +192,8 @@ def test_speech_work_yields_to_a_decoding_text_request_and_outputs_are_unchanged
     assert yielded == free and sorted(free) == ["a0", "a1", "a2", "text"]
     beside = [s for s in steps if s.get("text_decodes")]
     assert len(beside) == 23  # every decode step of the text request
-    assert all(s["audio_prefill"] <= 16 and s["encoded"] <= 1 for s in beside), beside
-    assert sum(s["encoded"] for s in beside) == 3 and sum(s["audio_prefill"] for s in beside) >= 16
+    assert all(s["audio_tokens"] <= 16 and s["encoded"] <= 1 for s in beside), beside
+    assert sum(s["encoded"] for s in beside) == 3 and sum(s["audio_tokens"] for s in beside) >= 16
     _, unyielded = run(0, 0)
     beside = [s for s in unyielded if s.get("text_decodes")]
-    assert max(s["audio_prefill"] for s in beside) > 16 and max(s["encoded"] for s in beside) > 1  # it can fail
+    assert max(s["audio_tokens"] for s in beside) > 16 and max(s["encoded"] for s in beside) > 1  # it can fail
