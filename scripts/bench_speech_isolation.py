@@ -118,7 +118,10 @@ def main() -> int:
     report = {
         "config": {"model": args.model, "method": args.method, "overrides": args.overrides, "minutes": args.minutes, "repeats": args.repeats,
                    "max_tokens": args.max_tokens, "threads": args.threads,
-                   "encoder_frames_per_step": cfg.audio.encoder_frames_per_step, "max_clip_s": cfg.audio.max_clip_s},
+                   "encoder_frames_per_step": cfg.audio.encoder_frames_per_step,
+                   "encoder_frames_beside_decodes": cfg.audio.encoder_frames_beside_decodes,
+                   "tokens_beside_decodes": cfg.audio.tokens_beside_decodes,
+                   "max_clip_s": cfg.audio.max_clip_s},
         "text_latency_unloaded_median_s": round(u, 4), "text_latency_loaded_median_s": round(lo, 4),
         "ratio_loaded_over_unloaded": round(lo / u, 3), "text_latencies_unloaded_s": res["unloaded_s"],
         "text_latencies_loaded_s": res["loaded_s"], "transcription_wall_s": round(res["transcription_wall_s"], 2),

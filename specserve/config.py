@@ -273,6 +273,12 @@ class AudioConfig:
     # Encoder frames (50 per second of audio) the engine encodes per step at most (at
     # least one recording a step): bounds what a burst of recordings adds to a step.
     encoder_frames_per_step: int = 3000
+    # While a text request runs, speech work yields to it (0: no yielding): each step earns
+    # the encoder this many frames (a recording is encoded once they cover it), and while it
+    # decodes, requests with a recording run at most this many tokens in all per step
+    # (prefill chunks and decode tokens; the drafts of the last to start may go past it).
+    encoder_frames_beside_decodes: int = 150
+    tokens_beside_decodes: int = 16
 
 
 @dataclass
@@ -296,6 +302,8 @@ def validate_audio(a: AudioConfig) -> None:
         raise ConfigError("audio.max_clip_s", f"must be >= 2 (seconds; a cut is searched in the last second), got {a.max_clip_s}")
     _int("audio.max_upload_bytes", a.max_upload_bytes, 1)
     _int("audio.encoder_frames_per_step", a.encoder_frames_per_step, 1)
+    _int("audio.encoder_frames_beside_decodes", a.encoder_frames_beside_decodes, 0)
+    _int("audio.tokens_beside_decodes", a.tokens_beside_decodes, 0)
 
 
 def register_configs(cs: Any) -> None:

@@ -14,7 +14,10 @@ Fairness under chunked prefill: the decoding sequences' tokens are set aside
 before any prefill chunk takes the budget (a long prompt never starves
 decodes), and while other requests wait to be admitted a prefill chunk is
 capped at ``long_prefill_token_threshold`` tokens, so they start in the same
-step instead of queueing behind the whole prompt.
+step instead of queueing behind the whole prompt.  Background sequences (requests with a
+recording) take at most ``background_tokens`` tokens in all (prefill chunks and decode
+tokens; the drafts of the last one to start may go past it) in a step where a foreground
+sequence decodes: a long transcription costs each step of a chat request no more than that.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Scheduler:
         max_model_len: int,
         long_prefill_token_threshold: int | None = None,
         pending_drafts: Callable[[Sequence], int] | None = None,
+        background_tokens: int = 0,
     ):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
@@ -86,6 +90,8 @@ class Scheduler:
         if long_prefill_token_threshold is None:
             long_prefill_token_threshold = default_long_prefill_token_threshold(max_num_batched_tokens)
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # Background sequences' tokens in a step where a foreground one decodes (0: no cap).
+        self.background_tokens = background_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Prefix caching (blocks.enable_caching): full prompt blocks that an admitted sequence
@@ -205,6 +211,18 @@ class Scheduler:
             return self.long_prefill_token_threshold
         return self.max_num_batched_tokens
 
+    def foreground_running(self) -> bool:
+        """A foreground (not background) sequence is running: background work yields to it."""
+        return any(not s.background for s in self.running)
+
+    def _background_budget(self) -> int:
+        """Background tokens this step may take: the cap while a foreground sequence decodes,
+        else unbounded (the step budget rules)."""
+        if self.background_tokens > 0 and any(
+                not s.background and self._decode_tokens(s) for s in self.running):
+            return self.background_tokens
+        return self.max_num_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -213,6 +231,7 @@ class Scheduler:
         # Decodes are set aside first: a prefill chunk only takes what they leave.
         reserve = sum(self._decode_tokens(s) for s in self.running)
         cap = self._prefill_cap(bool(self.waiting), len(self.running))
+        background = self._background_budget()
         # 1. Running sequences, oldest first; preempt from the newest end.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -220,6 +239,8 @@ class Scheduler:
             decode = self._decode_tokens(seq)
             reserve -= decode
             n = min(seq.num_uncomputed, budget if decode else min(budget - reserve, cap))
+            if seq.background:  # runs while background budget is left (its drafts may pass it)
+                n = min(n, background)
             if n <= 0:  # a prefill chunk with no budget left after the decodes: next step
                 i += 1
                 continue
@@ -237,6 +258,8 @@ class Scheduler:
                 continue  # seq itself was preempted; self.running shifted
             out.scheduled.append(ScheduledSeq(seq, n, sample, room))
             budget -= n + room
+            if seq.background:
+                background -= n + room
             i += 1
         # 2. Admit waiting sequences in arrival order (one whose next prompt block another
         #    admitted sequence is computing waits for it, and the next in line goes first).
@@ -244,11 +267,16 @@ class Scheduler:
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[w]
             fresh = not seq.block_table and not seq.num_computed
+            if seq.background and background <= 0:  # a later step; foreground arrivals still start
+                w += 1
+                continue
             if not self._lookup(seq):
                 w += 1
                 continue
             cap = self._prefill_cap(len(self.waiting) > 1, len(self.running) + 1)
             n = min(seq.num_uncomputed, budget, cap)
+            if seq.background:
+                n = min(n, background)
             sample = n == seq.num_uncomputed
             room = self._draft_room(seq) if sample else 0
             if not self.blocks.ensure(seq.block_table, seq.num_computed + n + room):
@@ -263,6 +291,8 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, sample, room))
             budget -= n + room
+            if seq.background:
+                background -= n + room
         return out
 
     def commit(self, seq: Sequence, num_computed: int) -> None:

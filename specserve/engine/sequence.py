@@ -45,6 +45,10 @@ class Sequence:
     # Tokens a method drafts from that the engine derived for this request (the CTC
     # hypothesis of its recording, +method=ctc); kept across preemption.  None: none.
     hypothesis: list[int] | None = None
+    # A background sequence's prompt yields to other sequences' decoding: while a foreground
+    # sequence decodes, its prefill chunks share the scheduler's small background budget
+    # (a request with a recording; ``Scheduler.background_tokens``).
+    background: bool = False
 
     # Prefix caching: the hash chain of full blocks of token_ids (kv_blocks.chain_hashes),
     # how many of the block table's blocks are registered in the cache, and how many

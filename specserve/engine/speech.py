@@ -35,12 +35,13 @@ log = logging.getLogger(__name__)
 
 
 class SpeechRequests:
-    def __init__(self, target: Any, frames_per_step: int, proposer: Any, num_spec_tokens: int):
+    def __init__(self, target: Any, frames_per_step: int, proposer: Any, num_spec_tokens: int,
+                 frames_beside_decodes: int = 0):
         from specserve.executor.audio_runner import AudioEncoderRunner
 
         self.spec = target.speech
         self.runner = AudioEncoderRunner(self.spec, target.dtype)
-        self.stage = AudioStage(self.runner, frames_per_step)
+        self.stage = AudioStage(self.runner, frames_per_step, frames_beside_decodes)
         # the CTC drafter (+method=ctc), else None: recordings are transcribed by plain decoding
         self.ctc = proposer if hasattr(proposer, "hypothesis") else None
         self.num_spec_tokens = num_spec_tokens
@@ -65,6 +66,7 @@ class SpeechRequests:
         return dataclasses.replace(params, cache_salt=salt)
 
     def admit(self, st: Any) -> None:
+        st.seq.background = True  # its encoder pass and prompt yield to text requests' decoding
         self.stage.submit(st)
 
     def remove(self, request_id: str) -> None:
@@ -75,11 +77,12 @@ class SpeechRequests:
         return len(self.stage)
 
     # ------------------------------------------------------------ encoding
-    def encoded(self) -> list[tuple[Any, Any, Exception | None]]:
+    def encoded(self, beside_foreground: bool = False) -> list[tuple[Any, Any, Exception | None]]:
         """This step's encoder work: (state, hypothesis or None, failure or None) per request
-        whose recording was encoded; its audio rows are on the state."""
+        whose recording was encoded; its audio rows are on the state.  ``beside_foreground``:
+        a text request runs (the encoder yields, ``AudioStage``)."""
         out = []
-        for st, enc in self.stage.run():
+        for st, enc in self.stage.run(beside_foreground):
             if isinstance(enc, Exception):
                 out.append((st, None, enc))
                 continue

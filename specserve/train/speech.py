@@ -51,20 +51,9 @@ log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- data
-def build_data(cfg: SpeechTrainConfig, out: Path) -> dict[str, Any]:
-    path = out / "data.npz"
-    if path.is_file():
-        z = np.load(path, allow_pickle=False)
-        return {"samples": z["samples"], "offsets": z["offsets"], "texts": [str(t) for t in z["texts"]],
-                "num_train": int(z["num_train"])}
+def _synthesize(sentences: list[str], cfg: SpeechTrainConfig, seed: int, path: Path, num_train: int) -> None:
     d = cfg.data
-    exclude = Path(d.exclude_file)
-    held = [s for s in exclude.read_text().splitlines() if s.strip()] if exclude.is_file() else []
-    if not held:
-        log.warning("data.exclude_file=%s holds no sentences: nothing is held out", d.exclude_file)
-    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
-    sentences = training_sentences(d.num_sentences + d.num_valid, held, seed=d.seed, cache_dir=cache)
-    rng = random.Random(d.seed)
+    rng = random.Random(seed)
     chunks, offsets, t0 = [], [0], time.time()
     for i, s in enumerate(sentences):
         x = espeak_ng(s, d.voice, rng.randint(*d.wpm), rng.randint(*d.pitch))
@@ -72,14 +61,65 @@ def build_data(cfg: SpeechTrainConfig, out: Path) -> dict[str, Any]:
         offsets.append(offsets[-1] + len(x))
         if i % 1000 == 0:
             log.info("synthesized %d/%d sentences (%.0f s)", i, len(sentences), time.time() - t0)
-    num_train = len(sentences) - d.num_valid
-    tmp = out / "data.tmp.npz"
+    tmp = path.with_name(path.stem + ".tmp.npz")
     np.savez(tmp, samples=np.concatenate(chunks), offsets=np.asarray(offsets, dtype=np.int64),
              texts=np.asarray(sentences), num_train=num_train)
     tmp.rename(path)
-    hours = offsets[-1] / 16000 / 3600
-    log.info("data: %d sentences, %.2f hours of speech", len(sentences), hours)
-    return build_data(cfg, out)
+    log.info("%s: %d sentences, %.2f hours of speech", path.name, len(sentences), offsets[-1] / 16000 / 3600)
+
+
+def _load(path: Path) -> dict[str, Any]:
+    z = np.load(path, allow_pickle=False)
+    return {"samples": z["samples"], "offsets": z["offsets"], "texts": [str(t) for t in z["texts"]],
+            "num_train": int(z["num_train"])}
+
+
+def build_data(cfg: SpeechTrainConfig, out: Path) -> dict[str, Any]:
+    """The training and validation recordings: ``data.npz`` (ShareGPT sentences) and, with
+    ``data.generated_sentences``, ``data_gen.npz`` (the text model's everyday sentences),
+    merged as [ShareGPT train, generated train, ShareGPT valid, generated valid];
+    ``num_primary`` counts the ShareGPT training recordings (stages with ``generated:
+    false`` sample those only)."""
+    d = cfg.data
+    exclude = Path(d.exclude_file)
+    held = [s for s in exclude.read_text().splitlines() if s.strip()] if exclude.is_file() else []
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+    path = out / "data.npz"
+    if not path.is_file():
+        if not held:
+            log.warning("data.exclude_file=%s holds no sentences: nothing is held out", d.exclude_file)
+        sentences = training_sentences(d.num_sentences + d.num_valid, held, seed=d.seed, cache_dir=cache)
+        _synthesize(sentences, cfg, d.seed, path, len(sentences) - d.num_valid)
+    data = _load(path)
+    data["num_primary"] = data["num_train"]
+    if d.generated_sentences <= 0:
+        return data
+    gpath = out / "data_gen.npz"
+    if not gpath.is_file():
+        from specserve.executor.loader import resolve_hf_dir
+        from specserve.train.speech_text import generated_sentences
+
+        known = set(data["texts"])
+        gen = generated_sentences(resolve_hf_dir(cfg.model["path"], cache), d.generated_sentences + d.generated_valid + 100,
+                                  held, d.seed, out / "generated.jsonl")
+        gen = [s for s in gen if s not in known][: d.generated_sentences + d.generated_valid]
+        _synthesize(gen, cfg, d.seed + 1, gpath, len(gen) - d.generated_valid)
+    g = _load(gpath)
+    return merge_data(data, g)
+
+
+def merge_data(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """[a train, b train, a valid, b valid] in one sample array."""
+    na, nb = a["num_train"], b["num_train"]
+    parts = [(a, 0, na), (b, 0, nb), (a, na, len(a["texts"])), (b, nb, len(b["texts"]))]
+    samples, offsets, texts = [], [0], []
+    for src, i, j in parts:
+        lo, hi = src["offsets"][i], src["offsets"][j]
+        samples.append(src["samples"][lo:hi])
+        offsets.extend((src["offsets"][i + 1 : j + 1] - lo + offsets[-1]).tolist())
+        texts.extend(src["texts"][i:j])
+    return {"samples": np.concatenate(samples), "offsets": np.asarray(offsets, dtype=np.int64), "texts": texts,
+            "num_train": na + nb, "num_primary": na}
 
 
 def _clip(data: dict[str, Any], i: int) -> np.ndarray:
@@ -105,6 +145,26 @@ def _batch_features(clips: list[np.ndarray], rng: np.random.Generator, cfg: Spee
         feats.append(f)
         lens.append(min(f.shape[0], (len(c) // 160 + 1) // 2 + 2))
     return torch.stack(feats), lens
+
+
+def spec_augment(feats: torch.Tensor, lens: list[int], cfg: SpeechTrainConfig, rng: np.random.Generator) -> torch.Tensor:
+    """SpecAugment on (B, frames, 160) stacked-pair features: ``data.freq_masks`` mel bands
+    (the same bins in both frames of a pair) and ``data.time_masks`` frame runs set to the
+    recording's mean feature value."""
+    d = cfg.data
+    x = feats.clone()
+    for b, n in enumerate(lens):
+        fill = float(x[b, :n].mean())
+        for _ in range(d.freq_masks):
+            w = int(rng.integers(0, d.freq_mask_bins + 1))
+            f0 = int(rng.integers(0, 80 - w + 1))
+            x[b, :n, f0 : f0 + w] = fill
+            x[b, :n, 80 + f0 : 80 + f0 + w] = fill
+        for _ in range(d.time_masks):
+            w = int(rng.integers(0, min(d.time_mask_frames, max(1, n // 10)) + 1))
+            t0 = int(rng.integers(0, max(1, n - w)))
+            x[b, t0 : t0 + w] = fill
+    return x
 
 
 def _lr(stage: Any, step: int, elapsed_s: float) -> float:
@@ -153,8 +213,12 @@ def _cer(hyp: str, ref: str) -> tuple[int, int]:
     return prev[-1], len(ref)
 
 
-def train_ctc(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], out: Path) -> None:
-    stage, ckpt = cfg.ctc, out / "ctc.pt"
+def train_ctc(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], out: Path, name: str = "ctc") -> None:
+    """The encoder's CTC stage ``name`` (``ctc``, or ``ctc2``: on from the weights in
+    ``model``, a new learning-rate cycle)."""
+    stage, ckpt = getattr(cfg, name), out / f"{name}.pt"
+    if stage.max_steps <= 0:
+        return
     opt = torch.optim.AdamW(model.encoder.parameters(), lr=stage.lr, weight_decay=0.01)
     step, elapsed = 0, 0.0
     if ckpt.is_file():
@@ -163,10 +227,10 @@ def train_ctc(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], 
         opt.load_state_dict(state["opt"])
         step, elapsed = state["step"], state["elapsed"]
         if state.get("done"):
-            log.info("ctc: done (step %d)", step)
+            log.info("%s: done (step %d)", name, step)
             return
-    rng = np.random.default_rng(cfg.data.seed + step)
-    n_train = data["num_train"]
+    rng = np.random.default_rng(cfg.data.seed + step + (7 if name != "ctc" else 0))
+    n_train = data["num_train"] if stage.generated else data.get("num_primary", data["num_train"])
     lens = np.diff(data["offsets"])[:n_train]
     order = np.argsort(lens)
     model.encoder.train()
@@ -176,6 +240,8 @@ def train_ctc(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], 
         start = int(rng.integers(0, max(1, n_train - stage.batch_size * 4)))
         idx = rng.choice(order[start : start + stage.batch_size * 4], stage.batch_size, replace=False)
         feats, flens = _batch_features([_clip(data, int(i)) for i in idx], rng, cfg)
+        if stage.spec_augment:
+            feats = spec_augment(feats, flens, cfg, rng)
         tg, tlens = _targets([data["texts"][int(i)] for i in idx], cfg.encoder.output_dim)
         for g in opt.param_groups:
             g["lr"] = _lr(stage, step, elapsed)
@@ -196,7 +262,7 @@ def train_ctc(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], 
         if step % stage.checkpoint_every == 0 or _done(stage, step, elapsed):
             cer = ctc_eval(model, data, 16)
             model.encoder.train()
-            log.info("ctc step %d  %.1f min  loss %.3f  lr %.2e  valid CER %.3f", step, elapsed / 60,
+            log.info("%s step %d  %.1f min  loss %.3f  lr %.2e  valid CER %.3f", name, step, elapsed / 60,
                      sum(losses) / len(losses), opt.param_groups[0]["lr"], cer)
             losses = []
             _save(ckpt, {"encoder": model.encoder.state_dict(), "opt": opt.state_dict(), "step": step,
@@ -208,7 +274,9 @@ def train_ctc(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], 
 def ctc_eval(model: SpeechModel, data: dict[str, Any], num: int) -> float:
     model.encoder.eval()
     errs = total = 0
-    for i in range(data["num_train"], min(len(data["texts"]), data["num_train"] + num)):
+    valid = range(data["num_train"], len(data["texts"]))
+    step = max(1, len(valid) // max(num, 1))
+    for i in list(valid)[::step][:num]:  # spread over the validation sentences of every source
         hidden, _ = model.encoder(input_features(_clip(data, i))[None])
         hyp = ctc_text(ctc_greedy_labels(model.encoder.ctc_logits(hidden[0])))
         e, n = _cer(hyp, data["texts"][i])
@@ -232,60 +300,220 @@ def _end_token(tok: Any) -> int:
     return ids[0] if ids and ids[0] is not None and ids[0] != tok.unk_token_id else tok.eos_token_id
 
 
-def train_embed(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], out: Path) -> None:
-    """Stage 2a, no LLM forward: the projector's outputs read as a CTC over the text model's
-    vocabulary (cosine similarity with its token embeddings; blank = the audio token) with
-    the transcript's tokens as targets, their norms held at the embeddings' mean norm.  The
-    outputs then lie near the embeddings of the tokens being spoken, in order: a start from
-    which the LM loss (``train_align``) has the text model read them."""
+# ----------------------------------------------------------------------------- projector
+def build_targets(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], out: Path, tok: Any) -> dict[str, Any]:
+    """Stage ``targets`` (once, cached in ``targets.pt``): the final encoder's states of
+    every recording (float16, concatenated; the later stages never run the encoder again)
+    and where each transcript token sits among its audio positions
+    (``speech_targets.transcript_targets``: CTC forced alignment of the transcript's
+    characters).  A recording whose alignment fails or crowds tokens into one position
+    gets no targets (None) and is not trained on."""
+    path = out / "targets.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=False)
+    from specserve.train.speech_targets import transcript_targets
+
+    model.encoder.eval()
+    p = model.projector.p
+    hidden, offsets, ids, slots, t0 = [], [0], [], [], time.time()
+    with torch.no_grad():
+        for i in range(len(data["texts"])):
+            h, _ = model.encoder(input_features(_clip(data, i))[None])
+            logp = model.encoder.ctc_logits(h[0]).float().log_softmax(-1).numpy()
+            hidden.append(h[0].to(torch.float16))
+            offsets.append(offsets[-1] + h.shape[1])
+            try:
+                tid, pos = transcript_targets(tok, data["texts"][i], logp, p.window_size, p.num_queries)
+                ok = all(b > a for a, b in zip(pos, pos[1:]))
+            except ValueError:
+                ok = False
+            ids.append(tid if ok else None)
+            slots.append(pos if ok else None)
+            if i % 2000 == 0:
+                log.info("targets: %d/%d recordings (%.0f s)", i, len(data["texts"]), time.time() - t0)
+    targets = {"hidden": torch.cat(hidden), "offsets": offsets, "ids": ids, "slots": slots}
+    log.info("targets: %d of %d recordings aligned", sum(x is not None for x in ids), len(ids))
+    _save(path, targets)
+    return targets
+
+
+def _usable(targets: dict[str, Any], lo: int, hi: int) -> np.ndarray:
+    return np.asarray([i for i in range(lo, hi) if targets["ids"][i] is not None])
+
+
+def _hidden(targets: dict[str, Any], i: int) -> torch.Tensor:
+    a, b = targets["offsets"][i], targets["offsets"][i + 1]
+    return targets["hidden"][a:b].float()
+
+
+def _num_slots(targets: dict[str, Any], i: int, p: Any) -> int:
+    n = targets["offsets"][i + 1] - targets["offsets"][i]
+    return p.num_queries * -(-n // p.window_size)
+
+
+def slot_targets(targets: dict[str, Any], i: int, p: Any, emb: torch.Tensor, filler: torch.Tensor) -> torch.Tensor:
+    """(audio positions, text hidden): the token embeddings at their positions, the
+    filler (one vector per query of a window) elsewhere."""
+    n = _num_slots(targets, i, p)
+    x = filler.repeat(n // p.num_queries, 1).clone()
+    x[torch.tensor(targets["slots"][i])] = emb[torch.tensor(targets["ids"][i])]
+    return x
+
+
+def _project_many(model: SpeechModel, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The projector over several recordings in one call: each padded to whole windows
+    and laid end to end (windows are independent, so this equals one call each)."""
+    W, Q = model.projector.p.window_size, model.projector.p.num_queries
+    padded = [F.pad(h, (0, 0, 0, -h.shape[0] % W)) for h in hiddens]
+    y = model.projector(torch.cat(padded)[None])[0]
+    out, k = [], 0
+    for h in padded:
+        n = h.shape[0] // W * Q
+        out.append(y[k : k + n])
+        k += n
+    return out
+
+
+def _audio_prompt(cfg: SpeechTrainConfig, tok: Any, n: int) -> list[int]:
+    return transcription_prompt(tok, cfg.audio_token_index, n, cfg.prompt_instruction, system=cfg.prompt_system)
+
+
+def _lm_batch(cfg: SpeechTrainConfig, tok: Any, emb: Any, audio: list[torch.Tensor], texts: list[str], end: int):
+    """Inputs embeddings (B, L, H), attention mask and the (row, position, label) of every
+    target token: the prompt around each recording's audio rows, then its transcript and
+    the end-of-turn token (the only positions with a loss)."""
+    seqs, where, labels = [], [], []
+    for b, (a, text) in enumerate(zip(audio, texts)):
+        prompt = _audio_prompt(cfg, tok, a.shape[0])
+        target = tok(text, add_special_tokens=False).input_ids + [end]
+        ids = torch.tensor(prompt + target)
+        x = emb(ids)
+        pos = (ids == cfg.audio_token_index).nonzero().flatten()
+        x = torch.cat([x[: pos[0]], a, x[pos[-1] + 1 :]])
+        seqs.append(x)
+        for j, t in enumerate(target):
+            where.append((b, len(prompt) + j - 1))
+            labels.append(t)
+    L = max(s.shape[0] for s in seqs)
+    x = torch.stack([F.pad(s, (0, 0, 0, L - s.shape[0])) for s in seqs])
+    mask = torch.stack([torch.arange(L) < s.shape[0] for s in seqs]).long()
+    rows, cols = torch.tensor([w[0] for w in where]), torch.tensor([w[1] for w in where])
+    return x, mask, rows, cols, torch.tensor(labels)
+
+
+def _lm_loss(llm: Any, x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+             labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the frozen text model at the target positions only (the head runs
+    on those rows alone)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = llm.model(inputs_embeds=x, attention_mask=mask).last_hidden_state
+        logits = llm.lm_head(h[rows, cols])
+    return F.cross_entropy(logits.float(), labels)
+
+
+def _stage_state(path: Path, opt: Any, params: dict[str, Any]) -> tuple[int, float, bool]:
+    if not path.is_file():
+        return 0, 0.0, False
+    state = torch.load(path, weights_only=False)
+    for k, load in params.items():
+        load(state[k])
+    opt.load_state_dict(state["opt"])
+    return state["step"], state["elapsed"], bool(state.get("done"))
+
+
+def train_filler(cfg: SpeechTrainConfig, data: dict[str, Any], targets: dict[str, Any], out: Path, llm: Any, tok: Any,
+                 p: Any) -> torch.Tensor:
+    """Stage ``filler``: the vectors the projector writes at audio positions holding no
+    token (one per query of a window), learned so that the frozen text model, given the
+    transcript's own token embeddings at their positions and these elsewhere, writes
+    the transcript (LM loss; no projector yet).  Returns (queries, text hidden)."""
+    stage, ckpt = cfg.filler, out / "filler.pt"
+    emb = llm.get_input_embeddings()
+    space = tok(" ", add_special_tokens=False).input_ids  # a start the text model nearly skips
+    start = emb.weight[space[-1]] if space else emb.weight.mean(0)
+    filler = torch.nn.Parameter(start.detach().clone().repeat(p.num_queries, 1))
+    opt = torch.optim.Adam([filler], lr=stage.lr)
+    step, elapsed, done = _stage_state(ckpt, opt, {"filler": lambda v: filler.data.copy_(v)})
+    if done or stage.max_steps <= 0:
+        return filler.detach()
+    end = _end_token(tok)
+    usable = _usable(targets, 0, data["num_train"])
+    rng = np.random.default_rng(cfg.data.seed + 31 + step)
+    t_last, losses = time.time(), []
+    while not _done(stage, step, elapsed):
+        idx = rng.choice(usable, stage.batch_size, replace=False)
+        audio = [slot_targets(targets, int(i), p, emb.weight, filler) for i in idx]
+        loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, audio, [data["texts"][int(i)] for i in idx], end))
+        for g in opt.param_groups:
+            g["lr"] = _lr(stage, step, elapsed)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        step += 1
+        now = time.time()
+        elapsed += now - t_last
+        t_last = now
+        if step % stage.checkpoint_every == 0 or _done(stage, step, elapsed):
+            log.info("filler step %d  %.1f min  loss %.3f", step, elapsed / 60, sum(losses) / len(losses))
+            losses = []
+            _save(ckpt, {"filler": filler.detach(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                         "done": _done(stage, step, elapsed)})
+            t_last = time.time()
+    return filler.detach()
+
+
+def _regression_loss(out: torch.Tensor, tgt: torch.Tensor, classes: torch.Tensor, protos: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared error to the targets (relative to the embeddings' mean square) plus a
+    cross-entropy of cosine similarities against the class prototypes; and the argmax
+    classes (for the accuracy lines)."""
+    mse = ((out - tgt) ** 2).sum(-1).mean() / scale
+    logits = 20.0 * F.normalize(out, dim=-1) @ protos.T
+    return mse + F.cross_entropy(logits, classes), logits.argmax(-1)
+
+
+def train_embed(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], targets: dict[str, Any], out: Path,
+                emb: torch.Tensor, filler: torch.Tensor) -> None:
+    """Stage ``embed`` (no text-model forward): the projector regressed onto
+    ``slot_targets``: at each audio position the embedding of the token spoken there
+    (``build_targets``) or the filler; squared error plus a cross-entropy over the
+    transcripts' tokens and the fillers (cosine similarity), on the cached encoder
+    states."""
     stage, ckpt = cfg.embed, out / "embed.pt"
     if stage.max_steps <= 0:
         return
-    from transformers import AutoTokenizer
-
-    from specserve.executor.loader import resolve_hf_dir
-    from safetensors.torch import load_file
-
-    hf_dir = resolve_hf_dir(cfg.model["path"], cfg.cache_dir)
-    tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    emb = load_file(str(hf_dir / "model.safetensors"))["model.embed_tokens.weight"].float()
-    norm = float(emb.norm(dim=-1).mean())
-    # the classifier covers the tokens of the training transcripts (and the blank) only
-    vocab = sorted({t for s in data["texts"][: data["num_train"]] for t in tok(s, add_special_tokens=False).input_ids}
-                   | {cfg.audio_token_index})
-    index = {t: i for i, t in enumerate(vocab)}
-    unit = F.normalize(emb[torch.tensor(vocab)], dim=-1)
-    blank = index[cfg.audio_token_index]
+    p = model.projector.p
     opt = torch.optim.AdamW(model.projector.parameters(), lr=stage.lr, weight_decay=0.01)
-    step, elapsed = 0, 0.0
-    if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
-        model.projector.load_state_dict(state["projector"])
-        opt.load_state_dict(state["opt"])
-        step, elapsed = state["step"], state["elapsed"]
-        if state.get("done"):
-            log.info("embed: done (step %d)", step)
-            return
-    model.encoder.eval()
+    step, elapsed, done = _stage_state(ckpt, opt, {"projector": model.projector.load_state_dict})
+    if done:
+        log.info("embed: done (step %d)", step)
+        return
+    vocab = sorted({t for ids in targets["ids"] if ids is not None for t in ids})
+    index = {t: k for k, t in enumerate(vocab)}
+    protos = F.normalize(torch.cat([emb[torch.tensor(vocab)], filler]), dim=-1)
+    scale = float((emb[torch.tensor(vocab)] ** 2).sum(-1).mean())
+    usable = _usable(targets, 0, data["num_train"])
+    valid = _usable(targets, data["num_train"], len(data["texts"]))
+
+    def batch(idx):
+        tg, cl = [], []
+        for i in idx:
+            i = int(i)
+            tg.append(slot_targets(targets, i, p, emb, filler))
+            c = torch.arange(tg[-1].shape[0]) % p.num_queries + len(vocab)
+            c[torch.tensor(targets["slots"][i])] = torch.tensor([index[t] for t in targets["ids"][i]])
+            cl.append(c)
+        return torch.cat(tg), torch.cat(cl)
+
     model.projector.train()
     rng = np.random.default_rng(cfg.data.seed + 104729 + step)
     t_last, losses = time.time(), []
     while not _done(stage, step, elapsed):
-        idx = rng.choice(data["num_train"], stage.batch_size, replace=False)
-        outs, targets = [], []
-        with torch.no_grad():
-            hid = [model.encoder(input_features(_clip(data, int(i)))[None])[0][0] for i in idx]
-        for h, i in zip(hid, idx):
-            outs.append(model.projector(h[None])[0])
-            targets.append([index[t] for t in tok(data["texts"][int(i)], add_special_tokens=False).input_ids])
-        T = max(o.shape[0] for o in outs)
-        x = torch.stack([F.pad(o, (0, 0, 0, T - o.shape[0])) for o in outs])  # (B, T, H)
-        logits = 30.0 * F.normalize(x, dim=-1) @ unit.T  # (B, T, V)
-        logp = logits.log_softmax(-1).transpose(0, 1)
-        tg = torch.tensor([t for ts in targets for t in ts])
-        loss = F.ctc_loss(logp, tg, torch.tensor([o.shape[0] for o in outs]), torch.tensor([len(t) for t in targets]),
-                          blank=blank, zero_infinity=True)
-        loss = loss + ((torch.cat(outs).norm(dim=-1) - norm) ** 2).mean()
+        idx = rng.choice(usable, stage.batch_size, replace=False)
+        y = torch.cat(_project_many(model, [_hidden(targets, int(i)) for i in idx]))
+        tg, cl = batch(idx)
+        loss, _ = _regression_loss(y, tg, cl, protos, scale)
         for g in opt.param_groups:
             g["lr"] = _lr(stage, step, elapsed)
         opt.zero_grad()
@@ -298,72 +526,48 @@ def train_embed(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
         elapsed += now - t_last
         t_last = now
         if step % stage.checkpoint_every == 0 or _done(stage, step, elapsed):
-            best = logits[0, : outs[0].shape[0]].argmax(-1).tolist()
-            path = [vocab[t] for j, t in enumerate(best) if t != blank and (j == 0 or t != best[j - 1])]
-            log.info("embed step %d  %.1f min  loss %.3f  [%r vs %r]", step, elapsed / 60, sum(losses) / len(losses),
-                     tok.decode(path), data["texts"][int(idx[0])])
+            model.projector.eval()
+            with torch.no_grad():
+                vi = valid[:64]
+                y = torch.cat(_project_many(model, [_hidden(targets, int(i)) for i in vi]))
+                tg, cl = batch(vi)
+                vloss, pred = _regression_loss(y, tg, cl, protos, scale)
+                tok_pos = cl < len(vocab)
+                acc = float((pred[tok_pos] == cl[tok_pos]).float().mean())
+                fill = float((pred[~tok_pos] >= len(vocab)).float().mean())
+            model.projector.train()
+            log.info("embed step %d  %.1f min  loss %.3f  valid loss %.3f  tokens right %.3f  fillers right %.3f",
+                     step, elapsed / 60, sum(losses) / len(losses), float(vloss), acc, fill)
             losses = []
             _save(ckpt, {"projector": model.projector.state_dict(), "opt": opt.state_dict(), "step": step,
                          "elapsed": elapsed, "done": _done(stage, step, elapsed)})
             t_last = time.time()
 
 
-def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], out: Path) -> None:
+def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], targets: dict[str, Any], out: Path,
+                llm: Any, tok: Any) -> None:
+    """Stage ``align``: the projector (from ``embed``) trained so that the frozen text
+    model, prompted with ``audio.prompt.transcription_prompt`` whose audio positions hold
+    the projector's outputs, writes the normalised transcript and then its end-of-turn
+    token (cross-entropy on those tokens only; the text model's weights never change)."""
     stage, ckpt = cfg.align, out / "align.pt"
-    llm, tok, _ = _text_model(cfg)
     emb = llm.get_input_embeddings()
     end = _end_token(tok)
     opt = torch.optim.AdamW(model.projector.parameters(), lr=stage.lr, weight_decay=0.01)
-    step, elapsed = 0, 0.0
-    if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
-        model.projector.load_state_dict(state["projector"])
-        opt.load_state_dict(state["opt"])
-        step, elapsed = state["step"], state["elapsed"]
-        if state.get("done"):
-            log.info("align: done (step %d)", step)
-            return
-    elif (out / "embed.pt").is_file():  # from the embedding-aligned projector (train_embed)
-        model.projector.load_state_dict(torch.load(out / "embed.pt", weights_only=False)["projector"])
-    else:  # start the projector's outputs at the scale of the text model's token embeddings
-        with torch.no_grad():
-            model.projector.linear.weight.mul_(float(emb.weight.std()) / 0.05)
-            model.projector.linear.bias.zero_()
-    model.encoder.eval()
+    step, elapsed, done = _stage_state(ckpt, opt, {"projector": model.projector.load_state_dict})
+    if done or stage.max_steps <= 0:
+        log.info("align: done (step %d)", step)
+        return
     model.projector.train()
+    usable = _usable(targets, 0, data["num_train"])
     rng = np.random.default_rng(cfg.data.seed + 7919 + step)
-    n_train = data["num_train"]
     t_last, losses = time.time(), []
     while not _done(stage, step, elapsed):
-        idx = rng.choice(n_train, stage.batch_size, replace=False)
-        clips = [_clip(data, int(i)) for i in idx]
-        with torch.no_grad():
-            hid = []
-            for c in clips:  # one recording at a time, as served (no padding in the encoder)
-                h, _ = model.encoder(input_features(c)[None])
-                hid.append(h[0])
-        seqs, labels = [], []
-        for h, i in zip(hid, idx):
-            a = model.projector(h[None])[0]  # (n_audio, H)
-            prompt = transcription_prompt(tok, cfg.audio_token_index, a.shape[0], cfg.prompt_instruction,
-                                          system=cfg.prompt_system)
-            target = tok(data["texts"][int(i)], add_special_tokens=False).input_ids + [end]
-            ids = torch.tensor(prompt + target)
-            x = emb(ids).clone()
-            pos = (ids == cfg.audio_token_index).nonzero().flatten()
-            x[pos] = a
-            seqs.append(x)
-            labels.append(torch.tensor([-100] * len(prompt) + target))
-        L = max(s.shape[0] for s in seqs)
-        x = torch.stack([F.pad(s, (0, 0, 0, L - s.shape[0])) for s in seqs])
-        mask = torch.stack([torch.arange(L) < s.shape[0] for s in seqs]).long()
-        y = torch.stack([F.pad(lab, (0, L - lab.shape[0]), value=-100) for lab in labels])
+        idx = rng.choice(usable, stage.batch_size, replace=False)
+        audio = _project_many(model, [_hidden(targets, int(i)) for i in idx])
+        loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, audio, [data["texts"][int(i)] for i in idx], end))
         for g in opt.param_groups:
             g["lr"] = _lr(stage, step, elapsed)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = llm(inputs_embeds=x, attention_mask=mask).logits
-        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1),
-                               ignore_index=-100)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.projector.parameters(), 1.0)
@@ -374,34 +578,29 @@ def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
         elapsed += now - t_last
         t_last = now
         if step % stage.checkpoint_every == 0 or _done(stage, step, elapsed):
-            sample = align_sample(model, llm, tok, data, cfg, end, 2)
+            sample = align_sample(model, llm, tok, data, targets, cfg, end, 2)
             model.projector.train()
             log.info("align step %d  %.1f min  loss %.3f  lr %.2e  %s", step, elapsed / 60, sum(losses) / len(losses),
                      opt.param_groups[0]["lr"], sample)
             losses = []
             _save(ckpt, {"projector": model.projector.state_dict(), "opt": opt.state_dict(), "step": step,
                          "elapsed": elapsed, "done": _done(stage, step, elapsed)})
-            export(cfg, model, out / "model", llm.config)
             t_last = time.time()
 
 
 @torch.no_grad()
-def align_sample(model: SpeechModel, llm: Any, tok: Any, data: dict[str, Any], cfg: SpeechTrainConfig, end: int,
-                 num: int) -> str:
+def align_sample(model: SpeechModel, llm: Any, tok: Any, data: dict[str, Any], targets: dict[str, Any],
+                 cfg: SpeechTrainConfig, end: int, num: int) -> str:
     """Greedy transcripts of ``num`` validation recordings (the progress line)."""
     model.projector.eval()
     emb = llm.get_input_embeddings()
     lines = []
     for i in range(data["num_train"], data["num_train"] + num):
-        h, _ = model.encoder(input_features(_clip(data, i))[None])
-        a = model.projector(h)[0]
-        ids = torch.tensor(transcription_prompt(tok, cfg.audio_token_index, a.shape[0], cfg.prompt_instruction,
-                                                system=cfg.prompt_system))
+        a = model.projector(_hidden(targets, i)[None])[0]
+        ids = torch.tensor(_audio_prompt(cfg, tok, a.shape[0]))
         x = emb(ids).clone()
         x[(ids == cfg.audio_token_index).nonzero().flatten()] = a
-        out = []
-        cache = None
-        cur = x[None]
+        out, cache, cur = [], None, x[None]
         for _ in range(40):
             o = llm(inputs_embeds=cur, past_key_values=cache, use_cache=True)
             cache = o.past_key_values
@@ -458,6 +657,13 @@ def export(cfg: SpeechTrainConfig, model: SpeechModel, out: Path, text_config: A
     tmp.rename(out)
 
 
+def _stage_summary(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    st = torch.load(path, weights_only=False)
+    return {"steps": st["step"], "minutes": round(st["elapsed"] / 60, 1)}
+
+
 def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -465,24 +671,27 @@ def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = build_data(cfg, out)
-    from transformers import AutoConfig
-
-    from specserve.executor.loader import resolve_hf_dir
-
-    text_config = AutoConfig.from_pretrained(str(resolve_hf_dir(cfg.model["path"], cfg.cache_dir)))
-    enc, proj = model_configs(cfg, text_config.hidden_size)
+    llm, tok, _ = _text_model(cfg)
+    enc, proj = model_configs(cfg, llm.config.hidden_size)
     model = SpeechModel(enc, proj, dropout=cfg.encoder.dropout)
-    train_ctc(cfg, model, data, out)
-    state = torch.load(out / "ctc.pt", weights_only=False)
-    model.encoder.load_state_dict(state["encoder"])
-    train_embed(cfg, model, data, out)
-    train_align(cfg, model, data, out)
-    model.projector.load_state_dict(torch.load(out / "align.pt", weights_only=False)["projector"])
-    export(cfg, model, out / "model", text_config)
-    report = {"ctc_steps": state["step"], "ctc_minutes": state["elapsed"] / 60, "valid_cer": ctc_eval(model, data, 64),
-              "num_sentences": data["num_train"], "hours_of_speech": float(data["offsets"][data["num_train"]]) / 16000 / 3600}
-    a = torch.load(out / "align.pt", weights_only=False)
-    report.update(align_steps=a["step"], align_minutes=a["elapsed"] / 60)
+    for name in ("ctc", "ctc2"):
+        train_ctc(cfg, model, data, out, name)
+        if (out / f"{name}.pt").is_file():
+            model.encoder.load_state_dict(torch.load(out / f"{name}.pt", weights_only=False)["encoder"])
+    model.encoder.eval()
+    targets = build_targets(cfg, model, data, out, tok)
+    filler = train_filler(cfg, data, targets, out, llm, tok, model.projector.p)
+    train_embed(cfg, model, data, targets, out, llm.get_input_embeddings().weight, filler)
+    for name in ("embed", "align"):
+        if name == "align":
+            train_align(cfg, model, data, targets, out, llm, tok)
+        if (out / f"{name}.pt").is_file():
+            model.projector.load_state_dict(torch.load(out / f"{name}.pt", weights_only=False)["projector"])
+    export(cfg, model, out / "model", llm.config)
+    report = {"sentences": data["num_train"], "primary_sentences": data.get("num_primary", data["num_train"]),
+              "hours_of_speech": round(float(data["offsets"][data["num_train"]]) / 16000 / 3600, 2),
+              "valid_cer": round(ctc_eval(model, data, 128), 4),
+              "stages": {name: _stage_summary(out / f"{name}.pt") for name in ("ctc", "ctc2", "filler", "embed", "align")}}
     (out / "model" / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     if cfg.export_dir:
         dst = Path(cfg.export_dir)

@@ -23,6 +23,16 @@ class SpeechDataConfig:
     noise_prob: float = 0.5
     gain_db: list[float] = field(default_factory=lambda: [-6.0, 6.0])
     seed: int = 0
+    # Everyday sentences written by the text model itself (``speech_text``), spoken the
+    # same way, beside the ShareGPT ones (0: none); and their validation share.
+    generated_sentences: int = 0
+    generated_valid: int = 64
+    # SpecAugment (stages with spec_augment: true): masks of whole mel bands (both frames
+    # of a stacked pair) and of frame runs, each width drawn up to the maximum.
+    freq_masks: int = 2
+    freq_mask_bins: int = 10
+    time_masks: int = 2
+    time_mask_frames: int = 8
 
 
 @dataclass
@@ -57,6 +67,8 @@ class SpeechStageConfig:
     warmup_steps: int = 100
     batch_size: int = 16
     checkpoint_every: int = 50
+    generated: bool = True  # sample the generated sentences too (data.generated_sentences)
+    spec_augment: bool = False
 
 
 @dataclass
@@ -67,12 +79,20 @@ class SpeechTrainConfig:
     encoder: SpeechEncoderConfig = field(default_factory=SpeechEncoderConfig)
     projector: SpeechProjectorConfig = field(default_factory=SpeechProjectorConfig)
     ctc: SpeechStageConfig = field(default_factory=SpeechStageConfig)
-    # The projector's outputs aligned with the text model's token embeddings by a CTC over
-    # its vocabulary (no LLM forward; max_steps 0 skips it), before the LM loss.
+    # The encoder trained on (a second learning-rate cycle, from ctc's weights; max_steps 0
+    # skips it).
+    ctc2: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
+        max_steps=0, lr=1e-3, warmup_steps=50, spec_augment=True))
+    # The projector's stages (``speech``): the filler vectors (LM loss on the transcripts'
+    # own token embeddings), the projector regressed onto the token embeddings placed by a
+    # CTC forced alignment (no text-model forward), then the LM loss through the frozen
+    # text model.  max_steps 0 skips a stage.
+    filler: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
+        max_steps=60, max_minutes=15.0, lr=3e-3, warmup_steps=5, batch_size=8, checkpoint_every=10))
     embed: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
-        max_steps=3000, max_minutes=10.0, lr=2e-3, warmup_steps=30, batch_size=16, checkpoint_every=50))
+        max_steps=3000, max_minutes=30.0, lr=2e-3, warmup_steps=100, batch_size=32, checkpoint_every=250))
     align: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
-        max_steps=3000, max_minutes=75.0, lr=5e-4, warmup_steps=50, batch_size=8, checkpoint_every=25))
+        max_steps=300, max_minutes=40.0, lr=3e-4, warmup_steps=20, batch_size=8, checkpoint_every=25))
     # The audio placeholder's token id in the text model's vocabulary (a token plain text
     # never produces; SmolLM2's <empty_output>).
     audio_token_index: int = 16

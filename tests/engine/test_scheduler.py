@@ -205,6 +205,62 @@ def test_no_cap_when_alone_when_no_slot_is_free_or_when_disabled():
     assert _step(s) == {"long": 40, "short": 2}
 
 
+def _background(rid: str, n: int, max_tokens: int = 8) -> Sequence:
+    b = seq(rid, n, max_tokens)
+    b.background = True
+    return b
+
+
+def _yielding(background_tokens: int = 8) -> Scheduler:
+    return Scheduler(BlockManager(128, 16), 8, 64, num_spec_tokens=0, max_model_len=2048, pending_drafts=Pending(),
+                     background_tokens=background_tokens)  # long_prefill_token_threshold 16
+
+
+def test_background_prefill_yields_to_a_foreground_decode_and_runs_whole_otherwise():
+    s = _yielding()
+    a = _background("a", 200, max_tokens=2)
+    s.add(a)
+    assert _step(s) == {"a": 64}  # nothing in the foreground: the whole budget
+    chat = seq("chat", 3, max_tokens=12)
+    s.add(chat)
+    assert _step(s) == {"a": 16, "chat": 3}  # chat prefills (not decoding yet): only the arrival cap
+    b = _background("b", 100, max_tokens=2)
+    s.add(b)
+    steps = 0
+    while chat.status is Status.RUNNING:
+        ran = _step(s)
+        steps += 1
+        assert ran["chat"] == 1  # chat decodes every step ...
+        assert sum(n for r, n in ran.items() if r != "chat") <= 8, ran  # ... beside 8 background tokens at most
+    assert steps == 11
+    ran = _step(s)
+    assert sum(ran.values()) > 8  # alone again: background work takes the whole budget
+    while s.num_unfinished:
+        _step(s)
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 2 and s.blocks.num_free == s.blocks.num_blocks
+
+
+def test_background_decodes_do_not_cap_each_other_and_a_foreground_arrival_is_admitted():
+    """Background decodes count against the budget only beside a foreground decode."""
+    s = _yielding(background_tokens=4)
+    a = _background("a", 10, max_tokens=30)
+    s.add(a)
+    _step(s)  # a decodes from now on
+    b = _background("b", 100, max_tokens=1)
+    s.add(b)
+    assert _step(s) == {"a": 1, "b": 63}  # a background decode is no reason to yield
+    c = _background("c", 100, max_tokens=1)
+    chat = seq("chat", 2, max_tokens=5)
+    _step(s)
+    s.add(c)
+    s.add(chat)
+    ran = _step(s)
+    assert ran["chat"] == 2  # chat starts although c (queued first) is not admitted yet...
+    ran = _step(s)
+    assert ran["chat"] == 1 and sum(n for r, n in ran.items() if r != "chat") == 4, ran  # ...then a and c share 4
+    assert _yielding(0).background_tokens == 0  # 0: no cap
+
+
 def test_long_prefill_token_threshold_is_validated_and_defaults_to_a_quarter_of_the_budget():
     from specserve.config import Config, validate_config
     from specserve.errors import ConfigError

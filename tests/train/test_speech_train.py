@@ -1,6 +1,7 @@
 """The speech trainer's stages on a tiny text model and synthetic clips (no synthesizer):
-CTC, embed and align each run, checkpoint and skip when rerun (resumable), and the export
-loads through the executor's loader as a speech model whose engine transcribes."""
+ctc, ctc2, targets, filler, embed and align each run, checkpoint and skip when rerun
+(resumable), and the export loads through the executor's loader as a speech model whose
+engine transcribes."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def setup(tmp_path_factory):
     cfg.encoder.num_layers, cfg.encoder.hidden_dim, cfg.encoder.num_heads = 2, 32, 2
     cfg.projector.hidden_size, cfg.projector.num_attention_heads, cfg.projector.intermediate_size = 16, 2, 32
     cfg.prompt_system, cfg.prompt_instruction = None, "w7"
-    for stage in (cfg.ctc, cfg.embed, cfg.align):
+    for stage in (cfg.ctc, cfg.ctc2, cfg.filler, cfg.embed, cfg.align):
         stage.max_steps, stage.checkpoint_every, stage.batch_size, stage.warmup_steps = 2, 1, 2, 1
     validate_speech_config(cfg)
     rng = np.random.default_rng(0)
@@ -39,14 +40,24 @@ def test_every_stage_runs_resumes_and_exports_a_loadable_model(setup):
     enc, proj = S.model_configs(cfg, 64)
     model = S.SpeechModel(enc, proj)
     S.train_ctc(cfg, model, data, out)
-    S.train_embed(cfg, model, data, out)
-    S.train_align(cfg, model, data, out)
-    for name in ("ctc.pt", "embed.pt", "align.pt"):
+    S.train_ctc(cfg, model, data, out, "ctc2")
+    llm, tok, _ = S._text_model(cfg)
+    targets = S.build_targets(cfg, model, data, out, tok)
+    assert targets["hidden"].shape[0] == targets["offsets"][-1] and len(targets["ids"]) == len(data["texts"])
+    aligned = [i for i, ids in enumerate(targets["ids"]) if ids is not None]
+    assert aligned and all(len(targets["ids"][i]) == len(targets["slots"][i]) == len(data["texts"][i].split())
+                           for i in aligned)
+    filler = S.train_filler(cfg, data, targets, out, llm, tok, model.projector.p)
+    assert filler.shape == (model.projector.p.num_queries, 64)
+    S.train_embed(cfg, model, data, targets, out, llm.get_input_embeddings().weight, filler)
+    S.train_align(cfg, model, data, targets, out, llm, tok)
+    for name in ("ctc.pt", "ctc2.pt", "filler.pt", "embed.pt", "align.pt"):
         state = torch.load(out / name, weights_only=False)
         assert state["done"] and state["step"] == 2, name
     before = (out / "align.pt").stat().st_mtime_ns
-    S.train_align(cfg, model, data, out)  # a finished stage is skipped
+    S.train_align(cfg, model, data, targets, out, llm, tok)  # a finished stage is skipped
     assert (out / "align.pt").stat().st_mtime_ns == before
+    assert S.build_targets(cfg, model, data, out, tok)["offsets"] == targets["offsets"]  # cached
 
     from transformers import AutoConfig
 
