@@ -276,9 +276,9 @@ class AudioConfig:
     # While a text request runs, speech work yields to it (0: no yielding): each step earns
     # the encoder this many frames (a recording is encoded once they cover it), and while it
     # decodes, requests with a recording run at most this many tokens in all per step
-    # (prefill chunks and decode tokens; the drafts of the last to start may go past it).
-    encoder_frames_beside_decodes: int = 150
-    tokens_beside_decodes: int = 16
+    # (prefill chunks, decode tokens and drafts; a prompt's last chunk keeps its first drafts).
+    encoder_frames_beside_decodes: int = 75
+    tokens_beside_decodes: int = 8
 
 
 @dataclass

@@ -7,9 +7,10 @@ frames fit in ``frames_per_step`` (at least one recording per step), so a burst 
 recordings adds a bounded amount of encoder work to each step and the decoding requests
 keep stepping between them.  While a foreground (text) request runs, the encoder yields
 further: each step adds ``frames_beside_decodes`` frames to a credit and a recording is
-encoded once the credit covers it (a 30 s recording every ten steps at 150 frames), so the
-text request's steps each carry a tenth of an encoder pass, not a whole one.  The engine then hands each encoded request to the scheduler
-(or settles it without an LLM forward, +method=ctc's entropy gate).
+encoded once the credit covers it (a 30 s recording every twenty steps at 75 frames), so the
+text request's steps each carry a twentieth of an encoder pass, not a whole one.  The
+engine then hands each encoded request to the scheduler (or settles it without an LLM
+forward, +method=ctc's entropy gate).
 
 ``remove`` is a release hook (``engine.requests.RequestTable``): a request aborted while
 queued leaves the queue with its teardown.

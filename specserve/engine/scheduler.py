@@ -15,9 +15,10 @@ before any prefill chunk takes the budget (a long prompt never starves
 decodes), and while other requests wait to be admitted a prefill chunk is
 capped at ``long_prefill_token_threshold`` tokens, so they start in the same
 step instead of queueing behind the whole prompt.  Background sequences (requests with a
-recording) take at most ``background_tokens`` tokens in all (prefill chunks and decode
-tokens; the drafts of the last one to start may go past it) in a step where a foreground
-sequence decodes: a long transcription costs each step of a chat request no more than that.
+recording) take at most ``background_tokens`` tokens in all in a step where a foreground
+sequence decodes (prefill chunks, decode tokens and their drafts, which are cut to fit; a
+prompt's last chunk keeps all of its first drafts, +method=ctc's hypothesis, so it may go
+past): a long transcription costs each step of a chat request about that much.
 """
 
 from __future__ import annotations
@@ -239,13 +240,15 @@ class Scheduler:
             decode = self._decode_tokens(seq)
             reserve -= decode
             n = min(seq.num_uncomputed, budget if decode else min(budget - reserve, cap))
-            if seq.background:  # runs while background budget is left (its drafts may pass it)
+            if seq.background:  # runs while background budget is left
                 n = min(n, background)
             if n <= 0:  # a prefill chunk with no budget left after the decodes: next step
                 i += 1
                 continue
             sample = n == seq.num_uncomputed
             room = self._draft_room(seq) if sample else 0
+            if seq.background and decode:
+                room = min(room, max(background - n, 0))
             need = seq.num_computed + n + room
             while not self.blocks.ensure(seq.block_table, need):
                 victim = self.running[-1]

@@ -261,6 +261,33 @@ def test_background_decodes_do_not_cap_each_other_and_a_foreground_arrival_is_ad
     assert _yielding(0).background_tokens == 0  # 0: no cap
 
 
+def test_a_background_decode_s_drafts_are_cut_to_the_budget_but_a_first_pass_keeps_its_own():
+    drafts = Pending()
+    s = Scheduler(BlockManager(128, 16), 8, 64, num_spec_tokens=6, max_model_len=2048, pending_drafts=drafts,
+                  background_tokens=4)
+    chat, a = seq("chat", 3, max_tokens=40), _background("a", 10, max_tokens=40)
+    for x in (chat, a):
+        s.add(x)
+    drafts["a"] = [1] * 6  # a's first drafts (a CTC hypothesis) ride on its prompt's last chunk
+    out = {i.seq.request_id: (i.num_new_tokens, i.draft_room) for i in s.schedule().scheduled}
+    assert out == {"chat": (3, 0), "a": (10, 6)}  # no foreground decode yet: nothing cut
+    for i in (chat, a):
+        s.commit(i, len(i.token_ids))
+        i.token_ids.append(9)
+    drafts["chat"], drafts["a"] = [1] * 6, [1] * 6
+    out = {i.seq.request_id: (i.num_new_tokens, i.draft_room) for i in s.schedule().scheduled}
+    assert out == {"chat": (1, 6), "a": (1, 3)}  # beside chat's decode: a's 1 + 3 drafts = 4
+    b = _background("b", 20, max_tokens=5)
+    s.add(b)
+    drafts["b"] = [1] * 6
+    for i in (chat, a):
+        s.commit(i, len(i.token_ids))
+        i.token_ids.append(9)
+    s.pending_drafts = Pending(chat=[1] * 6, b=[1] * 6)  # a drafts nothing this step
+    out = {i.seq.request_id: (i.num_new_tokens, i.draft_room) for i in s.schedule().scheduled}
+    assert out == {"chat": (1, 6), "a": (1, 0), "b": (3, 0)}  # b's prompt chunks fill the rest
+
+
 def test_long_prefill_token_threshold_is_validated_and_defaults_to_a_quarter_of_the_budget():
     from specserve.config import Config, validate_config
     from specserve.errors import ConfigError
