@@ -271,14 +271,17 @@ class AudioConfig:
     max_duration_s: float = 1200.0  # longer uploads are refused (400 naming `file`)
     max_upload_bytes: int = 64 * 1024 * 1024  # the HTTP door's multipart limit for `file`
     # Encoder frames (50 per second of audio) the engine encodes per step at most (at
-    # least one recording a step): bounds what a burst of recordings adds to a step.
-    encoder_frames_per_step: int = 3000
-    # While a text request runs, speech work yields to it (0: no yielding): each step earns
-    # the encoder this many frames (a recording is encoded once they cover it), and while it
-    # decodes, requests with a recording run at most this many tokens in all per step
+    # least one recording a step), and tokens requests with a recording run per step at
+    # most (prefill chunks, decode tokens and drafts; 0: the step budget): they bound how
+    # long a request arriving mid-transcription waits for the step in flight.
+    encoder_frames_per_step: int = 1500
+    tokens_per_step: int = 256
+    # While a text request runs or waits, speech work yields to it (0: no yielding): each
+    # step earns the encoder this many frames (a recording is encoded once they cover it),
+    # and requests with a recording run at most this many tokens in all per step
     # (prefill chunks, decode tokens and drafts; a prompt's last chunk keeps its first drafts).
-    encoder_frames_beside_decodes: int = 75
-    tokens_beside_decodes: int = 8
+    encoder_frames_beside_text: int = 75
+    tokens_beside_text: int = 8
 
 
 @dataclass
@@ -302,8 +305,9 @@ def validate_audio(a: AudioConfig) -> None:
         raise ConfigError("audio.max_clip_s", f"must be >= 2 (seconds; a cut is searched in the last second), got {a.max_clip_s}")
     _int("audio.max_upload_bytes", a.max_upload_bytes, 1)
     _int("audio.encoder_frames_per_step", a.encoder_frames_per_step, 1)
-    _int("audio.encoder_frames_beside_decodes", a.encoder_frames_beside_decodes, 0)
-    _int("audio.tokens_beside_decodes", a.tokens_beside_decodes, 0)
+    _int("audio.tokens_per_step", a.tokens_per_step, 0)
+    _int("audio.encoder_frames_beside_text", a.encoder_frames_beside_text, 0)
+    _int("audio.tokens_beside_text", a.tokens_beside_text, 0)
 
 
 def register_configs(cs: Any) -> None:

@@ -5,8 +5,8 @@ scheduler: its prompt cannot be computed before its audio rows exist.  At the st
 every engine step ``run`` encodes queued recordings in arrival order while their encoder
 frames fit in ``frames_per_step`` (at least one recording per step), so a burst of long
 recordings adds a bounded amount of encoder work to each step and the decoding requests
-keep stepping between them.  While a foreground (text) request runs, the encoder yields
-further: each step adds ``frames_beside_decodes`` frames to a credit and a recording is
+keep stepping between them.  While a foreground (text) request runs or waits, the encoder yields
+further: each step adds ``frames_beside_text`` frames to a credit and a recording is
 encoded once the credit covers it (a 30 s recording every twenty steps at 75 frames), so the
 text request's steps each carry a twentieth of an encoder pass, not a whole one.  The
 engine then hands each encoded request to the scheduler (or settles it without an LLM
@@ -23,10 +23,10 @@ from typing import Any
 
 
 class AudioStage:
-    def __init__(self, runner: Any, frames_per_step: int, frames_beside_decodes: int = 0):
+    def __init__(self, runner: Any, frames_per_step: int, frames_beside_text: int = 0):
         self.runner = runner  # executor.audio_runner.AudioEncoderRunner
         self.frames_per_step = frames_per_step
-        self.frames_beside_decodes = frames_beside_decodes  # 0: no yielding
+        self.frames_beside_text = frames_beside_text  # 0: no yielding
         self.credit = 0  # frames earned while yielding, not yet spent
         self.queue: deque[Any] = deque()  # RequestStates waiting for their encoder pass
 
@@ -45,11 +45,11 @@ class AudioStage:
     def run(self, beside_foreground: bool = False) -> list[tuple[Any, Any]]:
         """Encode what this step's budget allows: (state, encoding or the exception) pairs.
         ``beside_foreground``: a foreground request runs (the encoder yields to it)."""
-        yielding = beside_foreground and self.frames_beside_decodes > 0
+        yielding = beside_foreground and self.frames_beside_text > 0
         if not yielding or not self.queue:
             self.credit = 0
         else:
-            self.credit = min(self.credit + self.frames_beside_decodes, self.frames_per_step)
+            self.credit = min(self.credit + self.frames_beside_text, self.frames_per_step)
         done: list[tuple[Any, Any]] = []
         used = 0
         while self.queue:

@@ -199,7 +199,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
                                    self.max_model_len, e.long_prefill_token_threshold,
                                    pending_drafts=lambda seq: self.requests.num_pending_drafts(seq),
-                                   background_tokens=cfg.audio.tokens_beside_decodes)
+                                   background_tokens=cfg.audio.tokens_beside_text,
+                                   background_tokens_alone=cfg.audio.tokens_per_step)
         # Speech models: recordings wait for their encoder pass here (engine.speech), the
         # encoder's per-step budget bounding what they add to a step.
         self.speech = None
@@ -207,7 +208,7 @@ class LLMEngine:
             from specserve.engine.speech import SpeechRequests
 
             self.speech = SpeechRequests(target, cfg.audio.encoder_frames_per_step, self.proposer,
-                                         self.num_spec_tokens, cfg.audio.encoder_frames_beside_decodes)
+                                         self.num_spec_tokens, cfg.audio.encoder_frames_beside_text)
         # Every request's state, and its one teardown (which frees the method's state too).
         self.requests = RequestTable(self.scheduler, [self.proposer, self.predictions, self.speech])
         self.seed_generator = torch.Generator().manual_seed(e.seed)  # seeds of unseeded requests (host)
@@ -752,7 +753,7 @@ class LLMEngine:
         scheduler with their hypothesis as first drafts, or are settled by it (relaxed
         mode's entropy gate); returns the outputs of those that end here."""
         outputs: list[RequestOutput] = []
-        for st, hyp, failure in self.speech.encoded(self.scheduler.foreground_running()):
+        for st, hyp, failure in self.speech.encoded(self.scheduler.foreground_present()):
             if failure is not None:
                 outputs.append(self._fail_request(st, "encoding its recording", failure))
                 continue

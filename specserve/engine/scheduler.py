@@ -15,10 +15,12 @@ before any prefill chunk takes the budget (a long prompt never starves
 decodes), and while other requests wait to be admitted a prefill chunk is
 capped at ``long_prefill_token_threshold`` tokens, so they start in the same
 step instead of queueing behind the whole prompt.  Background sequences (requests with a
-recording) take at most ``background_tokens`` tokens in all in a step where a foreground
-sequence decodes (prefill chunks, decode tokens and their drafts, which are cut to fit; a
-prompt's last chunk keeps all of its first drafts, +method=ctc's hypothesis, so it may go
-past): a long transcription costs each step of a chat request about that much.
+recording) take at most ``background_tokens`` tokens in all in a step while a foreground
+sequence runs or waits, and ``background_tokens_alone`` otherwise (prefill chunks, decode
+tokens and their drafts, which are cut to fit; a prompt's last chunk keeps all of its first
+drafts, +method=ctc's hypothesis, so it may go past): a long transcription costs each step
+of a chat request about that much, and a request arriving mid-transcription waits for a
+step of at most ``background_tokens_alone`` tokens.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         pending_drafts: Callable[[Sequence], int] | None = None,
         background_tokens: int = 0,
+        background_tokens_alone: int = 0,
     ):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
@@ -91,8 +94,9 @@ class Scheduler:
         if long_prefill_token_threshold is None:
             long_prefill_token_threshold = default_long_prefill_token_threshold(max_num_batched_tokens)
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        # Background sequences' tokens in a step where a foreground one decodes (0: no cap).
+        # Background sequences' tokens in a step beside a foreground one, and with none (0: no cap).
         self.background_tokens = background_tokens
+        self.background_tokens_alone = background_tokens_alone
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Prefix caching (blocks.enable_caching): full prompt blocks that an admitted sequence
@@ -212,17 +216,16 @@ class Scheduler:
             return self.long_prefill_token_threshold
         return self.max_num_batched_tokens
 
-    def foreground_running(self) -> bool:
-        """A foreground (not background) sequence is running: background work yields to it."""
-        return any(not s.background for s in self.running)
+    def foreground_present(self) -> bool:
+        """A foreground (not background) sequence runs or waits: background work yields to it."""
+        return any(not s.background for s in self.running) or any(not s.background for s in self.waiting)
 
     def _background_budget(self) -> int:
-        """Background tokens this step may take: the cap while a foreground sequence decodes,
-        else unbounded (the step budget rules)."""
-        if self.background_tokens > 0 and any(
-                not s.background and self._decode_tokens(s) for s in self.running):
+        """Background tokens this step may take: ``background_tokens`` while a foreground
+        sequence runs or waits, else ``background_tokens_alone`` (0: no cap, the step budget)."""
+        if self.background_tokens > 0 and self.foreground_present():
             return self.background_tokens
-        return self.max_num_batched_tokens
+        return self.background_tokens_alone or self.max_num_batched_tokens
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -36,12 +36,12 @@ log = logging.getLogger(__name__)
 
 class SpeechRequests:
     def __init__(self, target: Any, frames_per_step: int, proposer: Any, num_spec_tokens: int,
-                 frames_beside_decodes: int = 0):
+                 frames_beside_text: int = 0):
         from specserve.executor.audio_runner import AudioEncoderRunner
 
         self.spec = target.speech
         self.runner = AudioEncoderRunner(self.spec, target.dtype)
-        self.stage = AudioStage(self.runner, frames_per_step, frames_beside_decodes)
+        self.stage = AudioStage(self.runner, frames_per_step, frames_beside_text)
         # the CTC drafter (+method=ctc), else None: recordings are transcribed by plain decoding
         self.ctc = proposer if hasattr(proposer, "hypothesis") else None
         self.num_spec_tokens = num_spec_tokens
@@ -80,7 +80,7 @@ class SpeechRequests:
     def encoded(self, beside_foreground: bool = False) -> list[tuple[Any, Any, Exception | None]]:
         """This step's encoder work: (state, hypothesis or None, failure or None) per request
         whose recording was encoded; its audio rows are on the state.  ``beside_foreground``:
-        a text request runs (the encoder yields, ``AudioStage``)."""
+        a text request runs or waits (the encoder yields, ``AudioStage``)."""
         out = []
         for st, enc in self.stage.run(beside_foreground):
             if isinstance(enc, Exception):

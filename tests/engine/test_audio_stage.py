@@ -62,14 +62,14 @@ def test_abort_and_failure_are_per_request():
 
 def test_beside_a_text_request_recordings_wait_for_the_credit_one_a_step():
     runner = FakeRunner()
-    stage = AudioStage(runner, frames_per_step=3000, frames_beside_decodes=150)
+    stage = AudioStage(runner, frames_per_step=3000, frames_beside_text=150)
     for i, s in enumerate([6, 6, 30]):  # 300, 300 and 1500 frames
         stage.submit(_state(f"r{i}", s))
     steps = [[st.request_id for st, _ in stage.run(beside_foreground=True)] for _ in range(16)]
     # 300 frames need two steps' credit each; the 30 s one ten steps'
     assert steps == [[], ["r0"], [], ["r1"]] + [[]] * 9 + [["r2"]] + [[]] * 2
     # a recording over the step budget runs once the credit is full (never starves)
-    stage = AudioStage(runner, frames_per_step=1000, frames_beside_decodes=400)
+    stage = AudioStage(runner, frames_per_step=1000, frames_beside_text=400)
     stage.submit(_state("long", 30))
     assert [len(stage.run(True)) for _ in range(3)] == [0, 0, 1]
     # nothing in the foreground: the per-step budget alone, and the credit starts again
@@ -79,7 +79,7 @@ def test_beside_a_text_request_recordings_wait_for_the_credit_one_a_step():
     assert [st.request_id for st, _ in stage.run(False)] == ["q1"]
     assert stage.credit == 0
     # 0: no yielding
-    stage = AudioStage(runner, frames_per_step=3000, frames_beside_decodes=0)
+    stage = AudioStage(runner, frames_per_step=3000, frames_beside_text=0)
     for i, s in enumerate([6, 6]):
         stage.submit(_state(f"z{i}", s))
     assert len(stage.run(True)) == 2
@@ -102,7 +102,7 @@ def test_a_text_request_keeps_stepping_beside_queued_recordings(tmp_path):
     cfg.engine.num_kv_blocks = 512
     cfg.engine.block_size = 4
     cfg.audio.encoder_frames_per_step = 600  # 12 s a step
-    cfg.audio.encoder_frames_beside_decodes = 0  # the per-step budget alone (yielding: below)
+    cfg.audio.encoder_frames_beside_text = 0  # the per-step budget alone (yielding: below)
     eng = LLMEngine(validate_config(cfg), target=loaded)
     per_step: list[int] = []
     encode = eng.speech.runner.encode
@@ -133,7 +133,7 @@ def test_a_text_request_keeps_stepping_beside_queued_recordings(tmp_path):
 
 def test_speech_work_yields_to_a_decoding_text_request_and_outputs_are_unchanged(tmp_path):
     """Beside a decoding text request each step carries at most one encoder pass and
-    ``audio.tokens_beside_decodes`` tokens of requests with recordings; every output
+    ``audio.tokens_beside_text`` tokens of requests with recordings; every output
     (greedy) equals the run without yielding, and nothing is left in the KV cache."""
     import torch
 
@@ -150,12 +150,14 @@ def test_speech_work_yields_to_a_decoding_text_request_and_outputs_are_unchanged
     rng = np.random.default_rng(1)
     clips = [AudioClip((0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32)) for s in (6, 3, 8)]
 
-    def run(frames: int, tokens: int):
+    def run(frames: int, tokens: int, alone: int = 0):
         cfg = Config(model=ModelConfig(name="t", path=str(d), dtype="float32"))
         cfg.engine.num_kv_blocks = 512
         cfg.engine.block_size = 4
-        cfg.audio.encoder_frames_beside_decodes = frames
-        cfg.audio.tokens_beside_decodes = tokens
+        cfg.audio.encoder_frames_beside_text = frames
+        cfg.audio.tokens_beside_text = tokens
+        cfg.audio.tokens_per_step = alone
+        cfg.audio.encoder_frames_per_step = 3000
         eng = LLMEngine(validate_config(cfg), target=loaded)
         steps: list[dict] = []
         schedule, encode = eng.scheduler.schedule, eng.speech.runner.encode
@@ -188,11 +190,12 @@ def test_speech_work_yields_to_a_decoding_text_request_and_outputs_are_unchanged
         return outs, steps
 
     free, _ = run(0, 0)
-    yielded, steps = run(150, 16)
+    yielded, steps = run(150, 16, alone=64)
     assert yielded == free and sorted(free) == ["a0", "a1", "a2", "text"]
     beside = [s for s in steps if s.get("text_decodes")]
     assert len(beside) == 23  # every decode step of the text request
     assert all(s["audio_tokens"] <= 16 and s["encoded"] <= 1 for s in beside), beside
+    assert all(s.get("audio_tokens", 0) <= 64 for s in steps)
     assert sum(s["encoded"] for s in beside) == 3 and sum(s["audio_tokens"] for s in beside) >= 16
     _, unyielded = run(0, 0)
     beside = [s for s in unyielded if s.get("text_decodes")]

@@ -223,7 +223,7 @@ def test_background_prefill_yields_to_a_foreground_decode_and_runs_whole_otherwi
     assert _step(s) == {"a": 64}  # nothing in the foreground: the whole budget
     chat = seq("chat", 3, max_tokens=12)
     s.add(chat)
-    assert _step(s) == {"a": 16, "chat": 3}  # chat prefills (not decoding yet): only the arrival cap
+    assert _step(s) == {"a": 8, "chat": 3}  # chat waits: the background yields already
     b = _background("b", 100, max_tokens=2)
     s.add(b)
     steps = 0
@@ -266,17 +266,21 @@ def test_a_background_decode_s_drafts_are_cut_to_the_budget_but_a_first_pass_kee
     s = Scheduler(BlockManager(128, 16), 8, 64, num_spec_tokens=6, max_model_len=2048, pending_drafts=drafts,
                   background_tokens=4)
     chat, a = seq("chat", 3, max_tokens=40), _background("a", 10, max_tokens=40)
-    for x in (chat, a):
-        s.add(x)
+    s.add(a)
     drafts["a"] = [1] * 6  # a's first drafts (a CTC hypothesis) ride on its prompt's last chunk
     out = {i.seq.request_id: (i.num_new_tokens, i.draft_room) for i in s.schedule().scheduled}
-    assert out == {"chat": (3, 0), "a": (10, 6)}  # no foreground decode yet: nothing cut
+    assert out == {"a": (10, 6)}  # nothing in the foreground: nothing cut
+    s.commit(a, len(a.token_ids))
+    a.token_ids.append(9)
+    s.add(chat)
+    out = {i.seq.request_id: (i.num_new_tokens, i.draft_room) for i in s.schedule().scheduled}
+    assert out == {"a": (1, 3), "chat": (3, 0)}  # chat arrives: a's 1 + 3 drafts = 4
     for i in (chat, a):
         s.commit(i, len(i.token_ids))
         i.token_ids.append(9)
     drafts["chat"], drafts["a"] = [1] * 6, [1] * 6
     out = {i.seq.request_id: (i.num_new_tokens, i.draft_room) for i in s.schedule().scheduled}
-    assert out == {"chat": (1, 6), "a": (1, 3)}  # beside chat's decode: a's 1 + 3 drafts = 4
+    assert out == {"a": (1, 3), "chat": (1, 6)}  # beside chat's decode: the same
     b = _background("b", 20, max_tokens=5)
     s.add(b)
     drafts["b"] = [1] * 6
@@ -285,7 +289,21 @@ def test_a_background_decode_s_drafts_are_cut_to_the_budget_but_a_first_pass_kee
         i.token_ids.append(9)
     s.pending_drafts = Pending(chat=[1] * 6, b=[1] * 6)  # a drafts nothing this step
     out = {i.seq.request_id: (i.num_new_tokens, i.draft_room) for i in s.schedule().scheduled}
-    assert out == {"chat": (1, 6), "a": (1, 0), "b": (3, 0)}  # b's prompt chunks fill the rest
+    assert out == {"a": (1, 0), "chat": (1, 6), "b": (3, 0)}  # b's prompt chunks fill the rest
+
+
+def test_background_alone_runs_at_most_its_own_step_cap():
+    drafts = Pending()
+    s = Scheduler(BlockManager(128, 16), 8, 64, num_spec_tokens=6, max_model_len=2048, pending_drafts=drafts,
+                  background_tokens=4, background_tokens_alone=20)
+    a, b = _background("a", 30, max_tokens=3), _background("b", 30, max_tokens=3)
+    s.add(a)
+    s.add(b)
+    assert _step(s) == {"a": 16, "b": 4}  # a capped at the arrival threshold (b waits), b the rest of 20
+    while s.num_unfinished:
+        ran = _step(s)
+        assert sum(ran.values()) <= 20
+    assert s.blocks.num_free == s.blocks.num_blocks
 
 
 def test_long_prefill_token_threshold_is_validated_and_defaults_to_a_quarter_of_the_budget():
