@@ -119,9 +119,8 @@ def main() -> int:
         "config": {"model": args.model, "method": args.method, "overrides": args.overrides, "minutes": args.minutes, "repeats": args.repeats,
                    "max_tokens": args.max_tokens, "threads": args.threads,
                    "encoder_frames_per_step": cfg.audio.encoder_frames_per_step,
-                   "encoder_frames_beside_text": cfg.audio.encoder_frames_beside_text,
-                   "tokens_beside_text": cfg.audio.tokens_beside_text,
-                   "tokens_per_step": cfg.audio.tokens_per_step,
+                   "yielding (encoder_frames_beside_text, tokens_beside_text, tokens_per_step)":
+                       list(cfg.audio.yielding(False)), "yield_period": cfg.audio.yield_period,
                    "max_clip_s": cfg.audio.max_clip_s},
         "text_latency_unloaded_median_s": round(u, 4), "text_latency_loaded_median_s": round(lo, 4),
         "ratio_loaded_over_unloaded": round(lo / u, 3), "text_latencies_unloaded_s": res["unloaded_s"],

@@ -272,16 +272,28 @@ class AudioConfig:
     max_upload_bytes: int = 64 * 1024 * 1024  # the HTTP door's multipart limit for `file`
     # Encoder frames (50 per second of audio) the engine encodes per step at most (at
     # least one recording a step), and tokens requests with a recording run per step at
-    # most (prefill chunks, decode tokens and drafts; 0: the step budget): they bound how
-    # long a request arriving mid-transcription waits for the step in flight.
+    # most (prefill chunks, decode tokens and drafts; 0: the step budget; null: 32 on the
+    # CPU, 0 on CUDA): they bound how long a request arriving mid-transcription waits for
+    # the step in flight.
     encoder_frames_per_step: int = 1500
-    tokens_per_step: int = 256
+    tokens_per_step: Optional[int] = None
     # While a text request runs or waits, speech work yields to it (0: no yielding): each
-    # step earns the encoder this many frames (a recording is encoded once they cover it),
-    # and requests with a recording run at most this many tokens in all per step
-    # (prefill chunks, decode tokens and drafts; a prompt's last chunk keeps its first drafts).
-    encoder_frames_beside_text: int = 75
-    tokens_beside_text: int = 8
+    # step earns the encoder this many frames (a recording is encoded once they cover it;
+    # null: 75 on the CPU, 0 on CUDA), and requests with a recording run this many tokens
+    # a step on average (null: 2 on the CPU, 256 on CUDA), granted in one step of every
+    # yield_period (a step that carries them beside the text request costs a fixed
+    # overhead: fewer, larger shares cost less); drafts are cut to fit, but a prompt's last
+    # chunk keeps its first drafts.
+    encoder_frames_beside_text: Optional[int] = None
+    tokens_beside_text: Optional[int] = None
+    yield_period: int = 4
+
+    def yielding(self, cuda: bool) -> tuple[int, int, int]:
+        """(encoder_frames_beside_text, tokens_beside_text, tokens_per_step) with the
+        device's defaults filled in."""
+        pick = lambda v, cpu, gpu: v if v is not None else (gpu if cuda else cpu)  # noqa: E731
+        return (pick(self.encoder_frames_beside_text, 75, 0), pick(self.tokens_beside_text, 2, 256),
+                pick(self.tokens_per_step, 32, 0))
 
 
 @dataclass
@@ -305,9 +317,13 @@ def validate_audio(a: AudioConfig) -> None:
         raise ConfigError("audio.max_clip_s", f"must be >= 2 (seconds; a cut is searched in the last second), got {a.max_clip_s}")
     _int("audio.max_upload_bytes", a.max_upload_bytes, 1)
     _int("audio.encoder_frames_per_step", a.encoder_frames_per_step, 1)
-    _int("audio.tokens_per_step", a.tokens_per_step, 0)
-    _int("audio.encoder_frames_beside_text", a.encoder_frames_beside_text, 0)
-    _int("audio.tokens_beside_text", a.tokens_beside_text, 0)
+    if a.tokens_per_step is not None:
+        _int("audio.tokens_per_step", a.tokens_per_step, 0)
+    _int("audio.yield_period", a.yield_period, 1)
+    if a.encoder_frames_beside_text is not None:
+        _int("audio.encoder_frames_beside_text", a.encoder_frames_beside_text, 0)
+    if a.tokens_beside_text is not None:
+        _int("audio.tokens_beside_text", a.tokens_beside_text, 0)
 
 
 def register_configs(cs: Any) -> None:

@@ -196,11 +196,13 @@ class LLMEngine:
                                            tree_depths=tree_depth_choices(spec.tree) if trees else (0,))
         if plan.graphs:
             self.spec_control.seed_costs(self.runner.static.time_graphs())
+        frames_beside_text, tokens_beside_text, tokens_per_step = cfg.audio.yielding(target.device.type == "cuda")
         self.scheduler = Scheduler(self.blocks, e.max_num_seqs, e.max_num_batched_tokens, self.num_spec_tokens,
                                    self.max_model_len, e.long_prefill_token_threshold,
                                    pending_drafts=lambda seq: self.requests.num_pending_drafts(seq),
-                                   background_tokens=cfg.audio.tokens_beside_text,
-                                   background_tokens_alone=cfg.audio.tokens_per_step)
+                                   background_tokens=tokens_beside_text,
+                                   background_tokens_alone=tokens_per_step,
+                                   background_period=cfg.audio.yield_period)
         # Speech models: recordings wait for their encoder pass here (engine.speech), the
         # encoder's per-step budget bounding what they add to a step.
         self.speech = None
@@ -208,7 +210,7 @@ class LLMEngine:
             from specserve.engine.speech import SpeechRequests
 
             self.speech = SpeechRequests(target, cfg.audio.encoder_frames_per_step, self.proposer,
-                                         self.num_spec_tokens, cfg.audio.encoder_frames_beside_text)
+                                         self.num_spec_tokens, frames_beside_text)
         # Every request's state, and its one teardown (which frees the method's state too).
         self.requests = RequestTable(self.scheduler, [self.proposer, self.predictions, self.speech])
         self.seed_generator = torch.Generator().manual_seed(e.seed)  # seeds of unseeded requests (host)

@@ -15,8 +15,9 @@ before any prefill chunk takes the budget (a long prompt never starves
 decodes), and while other requests wait to be admitted a prefill chunk is
 capped at ``long_prefill_token_threshold`` tokens, so they start in the same
 step instead of queueing behind the whole prompt.  Background sequences (requests with a
-recording) take at most ``background_tokens`` tokens in all in a step while a foreground
-sequence runs or waits, and ``background_tokens_alone`` otherwise (prefill chunks, decode
+recording) take at most ``background_tokens`` tokens a step on average while a foreground
+sequence runs or waits (all of them in one step of every ``background_period``), and
+``background_tokens_alone`` a step otherwise (prefill chunks, decode
 tokens and their drafts, which are cut to fit; a prompt's last chunk keeps all of its first
 drafts, +method=ctc's hypothesis, so it may go past): a long transcription costs each step
 of a chat request about that much, and a request arriving mid-transcription waits for a
@@ -81,6 +82,7 @@ class Scheduler:
         pending_drafts: Callable[[Sequence], int] | None = None,
         background_tokens: int = 0,
         background_tokens_alone: int = 0,
+        background_period: int = 1,
     ):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
@@ -97,6 +99,11 @@ class Scheduler:
         # Background sequences' tokens in a step beside a foreground one, and with none (0: no cap).
         self.background_tokens = background_tokens
         self.background_tokens_alone = background_tokens_alone
+        # Beside a foreground sequence, background work runs in one step of every
+        # background_period, with that many steps' worth of background_tokens: each step that
+        # carries another sequence costs a fixed overhead, so fewer, larger shares cost less.
+        self.background_period = max(1, background_period)
+        self._yield_steps = 0  # consecutive steps with a foreground sequence present
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Prefix caching (blocks.enable_caching): full prompt blocks that an admitted sequence
@@ -221,10 +228,16 @@ class Scheduler:
         return any(not s.background for s in self.running) or any(not s.background for s in self.waiting)
 
     def _background_budget(self) -> int:
-        """Background tokens this step may take: ``background_tokens`` while a foreground
-        sequence runs or waits, else ``background_tokens_alone`` (0: no cap, the step budget)."""
+        """Background tokens this step may take: while a foreground sequence runs or waits,
+        ``background_tokens`` a step, granted as ``background_period`` steps' worth in the
+        first step of each period (none in the others); else ``background_tokens_alone``
+        (0: no cap, the step budget).  Called once a step."""
         if self.background_tokens > 0 and self.foreground_present():
-            return self.background_tokens
+            self._yield_steps += 1
+            if (self._yield_steps - 1) % self.background_period:
+                return 0
+            return self.background_tokens * self.background_period
+        self._yield_steps = 0
         return self.background_tokens_alone or self.max_num_batched_tokens
 
     def schedule(self) -> SchedulerOutput:

@@ -150,13 +150,14 @@ def test_speech_work_yields_to_a_decoding_text_request_and_outputs_are_unchanged
     rng = np.random.default_rng(1)
     clips = [AudioClip((0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32)) for s in (6, 3, 8)]
 
-    def run(frames: int, tokens: int, alone: int = 0):
+    def run(frames: int, tokens: int, alone: int = 0, period: int = 1):
         cfg = Config(model=ModelConfig(name="t", path=str(d), dtype="float32"))
         cfg.engine.num_kv_blocks = 512
         cfg.engine.block_size = 4
         cfg.audio.encoder_frames_beside_text = frames
         cfg.audio.tokens_beside_text = tokens
         cfg.audio.tokens_per_step = alone
+        cfg.audio.yield_period = period
         cfg.audio.encoder_frames_per_step = 3000
         eng = LLMEngine(validate_config(cfg), target=loaded)
         steps: list[dict] = []
@@ -197,6 +198,28 @@ def test_speech_work_yields_to_a_decoding_text_request_and_outputs_are_unchanged
     assert all(s["audio_tokens"] <= 16 and s["encoded"] <= 1 for s in beside), beside
     assert all(s.get("audio_tokens", 0) <= 64 for s in steps)
     assert sum(s["encoded"] for s in beside) == 3 and sum(s["audio_tokens"] for s in beside) >= 16
+    periodic, steps = run(150, 16, alone=64, period=4)  # the same share, one step in four
+    assert periodic == free
+    beside = [s for s in steps if s.get("text_decodes")]
+    carrying = [s["audio_tokens"] for s in beside if s["audio_tokens"]]
+    assert carrying and max(carrying) <= 64 and len(carrying) <= -(-len(beside) // 4) + 1, carrying
     _, unyielded = run(0, 0)
     beside = [s for s in unyielded if s.get("text_decodes")]
     assert max(s["audio_tokens"] for s in beside) > 16 and max(s["encoded"] for s in beside) > 1  # it can fail
+
+
+def test_yielding_defaults_follow_the_device_and_are_validated():
+    from specserve.config import AudioConfig, Config, validate_config
+    from specserve.errors import ConfigError
+
+    a = AudioConfig()
+    assert a.yielding(cuda=False) == (75, 2, 32) and a.yielding(cuda=True) == (0, 256, 0)
+    a.tokens_beside_text, a.tokens_per_step = 0, 0
+    assert a.yielding(cuda=False) == (75, 0, 0)  # 0: off, on any device
+    cfg = Config()
+    cfg.audio.tokens_beside_text = -1
+    with pytest.raises(ConfigError, match="audio.tokens_beside_text"):
+        validate_config(cfg)
+    cfg.audio.tokens_beside_text, cfg.audio.yield_period = None, 0
+    with pytest.raises(ConfigError, match="audio.yield_period"):
+        validate_config(cfg)

@@ -292,6 +292,19 @@ def test_a_background_decode_s_drafts_are_cut_to_the_budget_but_a_first_pass_kee
     assert out == {"a": (1, 0), "chat": (1, 6), "b": (3, 0)}  # b's prompt chunks fill the rest
 
 
+def test_beside_a_foreground_the_background_share_comes_in_one_step_of_each_period():
+    s = Scheduler(BlockManager(128, 16), 8, 64, num_spec_tokens=0, max_model_len=2048, pending_drafts=Pending(),
+                  background_tokens=4, background_period=3)
+    chat, a = seq("chat", 2, max_tokens=10), _background("a", 200, max_tokens=1)
+    s.add(chat)
+    s.add(a)
+    shares = [_step(s).get("a", 0) for _ in range(9)]
+    assert shares == [12, 0, 0, 12, 0, 0, 12, 0, 0]  # 4 a step, granted 3 steps' worth at once
+    while chat.status is Status.RUNNING:
+        _step(s)
+    assert _step(s)["a"] > 12  # alone: the whole budget again
+
+
 def test_background_alone_runs_at_most_its_own_step_cap():
     drafts = Pending()
     s = Scheduler(BlockManager(128, 16), 8, 64, num_spec_tokens=6, max_model_len=2048, pending_drafts=drafts,
