@@ -376,7 +376,8 @@ class LLMEngine:
         for s in sched.scheduled:  # drafts proposed after the previous verification; the scheduler sized them
             st = self.requests[s.seq.request_id]
             s.drafts = st.drafts.first(s.draft_room)
-            st.drafts = Drafts()
+            if s.sample:  # a prompt's earlier chunks leave its first drafts for the last one
+                st.drafts = Drafts()
         batch = self._build_batch(sched.scheduled)
         prompt_jobs = self._prompt_logprob_rows(sched.scheduled, batch)
         t0 = time.perf_counter()

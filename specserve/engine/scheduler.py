@@ -263,7 +263,7 @@ class Scheduler:
                 continue
             sample = n == seq.num_uncomputed
             room = self._draft_room(seq) if sample else 0
-            if seq.background and decode:
+            if seq.background and decode and seq.num_computed >= seq.num_prompt_tokens:  # not a prompt's last token
                 room = min(room, max(background - n, 0))
             need = seq.num_computed + n + room
             while not self.blocks.ensure(seq.block_table, need):

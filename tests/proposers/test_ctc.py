@@ -268,3 +268,21 @@ def test_a_real_ctc_head_drafts_and_stays_lossless(speech, plain):
     eng = _engine(speech, "ctc", k=8)
     outs = eng.generate([r[0] for r in reqs], [r[1] for r in reqs])
     assert [o.token_ids for o in outs] == want[: len(reqs)]
+
+
+@pytest.mark.parametrize("chunk", [7, 13, 0])
+def test_a_chunked_prompt_still_verifies_its_hypothesis_in_the_first_pass(speech, plain, chunk):
+    """The hypothesis rides on the prompt's last chunk however the prompt is cut (a step
+    budget of ``chunk`` tokens for requests with a recording; 0: one chunk): the earlier
+    chunks leave it pending."""
+    clips, reqs, _, want = plain
+    eng = _engine(speech, "ctc", k=32, ctc_acceptance="relaxed", ctc_entropy_threshold=0.0,
+                  ctc_confidence_threshold=0.0)
+    eng.cfg.audio.tokens_per_step = chunk  # read at construction: set it on the scheduler too
+    eng.scheduler.background_tokens_alone = chunk
+    odd = [21, 22, 23, 24]
+    _fixed_hypotheses(eng, {len(clips[2].samples): odd})
+    ids, params = _request(speech[1], clips[2], ignore_eos=False)
+    out = eng.generate([ids], [params])[0]
+    assert out.spec.ctc_stage == "verified" and out.token_ids == odd + [eng.tokenizer.eos_token_ids[0]]
+    assert out.spec.num_draft_tokens == len(odd) and eng.blocks.usage == 0
