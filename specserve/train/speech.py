@@ -178,6 +178,19 @@ def _done(stage: Any, step: int, elapsed_s: float) -> bool:
     return step >= stage.max_steps or elapsed_s >= stage.max_minutes * 60
 
 
+def _update(opt: Any, loss: torch.Tensor, lr: float, clip: tuple[Any, float] | None = None) -> float:
+    """One optimizer step at ``lr`` (gradients clipped to ``clip`` = (parameters, max norm)
+    if given); returns the loss as a float."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad()
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(*clip)
+    opt.step()
+    return float(loss.detach())
+
+
 def _save(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
@@ -243,18 +256,12 @@ def train_ctc(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], 
         if stage.spec_augment:
             feats = spec_augment(feats, flens, cfg, rng)
         tg, tlens = _targets([data["texts"][int(i)] for i in idx], cfg.encoder.output_dim)
-        for g in opt.param_groups:
-            g["lr"] = _lr(stage, step, elapsed)
         hidden, mid = model.encoder(feats)
         logp = model.encoder.ctc_logits(hidden).log_softmax(-1).transpose(0, 1)
         il = torch.tensor(flens)
         loss = F.ctc_loss(logp, tg, il, tlens, zero_infinity=True)
         loss = loss + 0.5 * F.ctc_loss(mid.log_softmax(-1).transpose(0, 1), tg, il, tlens, zero_infinity=True)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.encoder.parameters(), 5.0)
-        opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(_update(opt, loss, _lr(stage, step, elapsed), (model.encoder.parameters(), 5.0)))
         step += 1
         now = time.time()
         elapsed += now - t_last
@@ -444,12 +451,7 @@ def train_filler(cfg: SpeechTrainConfig, data: dict[str, Any], targets: dict[str
         idx = rng.choice(usable, stage.batch_size, replace=False)
         audio = [slot_targets(targets, int(i), p, emb.weight, filler) for i in idx]
         loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, audio, [data["texts"][int(i)] for i in idx], end))
-        for g in opt.param_groups:
-            g["lr"] = _lr(stage, step, elapsed)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(_update(opt, loss, _lr(stage, step, elapsed)))
         step += 1
         now = time.time()
         elapsed += now - t_last
@@ -514,13 +516,7 @@ def train_embed(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
         y = torch.cat(_project_many(model, [_hidden(targets, int(i)) for i in idx]))
         tg, cl = batch(idx)
         loss, _ = _regression_loss(y, tg, cl, protos, scale)
-        for g in opt.param_groups:
-            g["lr"] = _lr(stage, step, elapsed)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.projector.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(_update(opt, loss, _lr(stage, step, elapsed), (model.projector.parameters(), 1.0)))
         step += 1
         now = time.time()
         elapsed += now - t_last
@@ -566,13 +562,7 @@ def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
         idx = rng.choice(usable, stage.batch_size, replace=False)
         audio = _project_many(model, [_hidden(targets, int(i)) for i in idx])
         loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, audio, [data["texts"][int(i)] for i in idx], end))
-        for g in opt.param_groups:
-            g["lr"] = _lr(stage, step, elapsed)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.projector.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(_update(opt, loss, _lr(stage, step, elapsed), (model.projector.parameters(), 1.0)))
         step += 1
         now = time.time()
         elapsed += now - t_last
