@@ -231,6 +231,10 @@ class TokenChars:
         self._groups.append(self._open)
         self._open = []
         while len(self._groups) > 1 and sum(map(len, self._groups[1:])) >= CONTEXT_TOKENS:
+            # A window must keep some text: decoders that strip a leading space would drop the
+            # next token's space if the window decoded to nothing (a run of special tokens).
+            if not self.decode([t for g in self._groups[1:] for t in g]):
+                break
             del self._groups[0]
         self._base = len(self.decode(self._window))
         return self.chars

@@ -149,6 +149,21 @@ def test_spaced_decoder_streams_what_it_returns(words):
     check(words, 13)
 
 
+def test_spaces_after_a_run_of_special_tokens_count_where_they_stand(byte_fallback):
+    """Found by the property test (seed 963456623, case 88): after a run of special tokens
+    (no text) the character window held no text, the decoder's strip ate the next space, the
+    character count fell one behind the text, and a stop string completed by the last space
+    kept a trailing special token only when it arrived in the same step."""
+    prompt = [148, 144, 243, 162, 146, 192, 259, 63]
+    ids = [264, 2, 264, 269, 262, 1, 1, 2, 2, 1, 259, 259, 1]
+    params = SamplingParams(stop=["o  "], logprobs=0, include_stop_str_in_output=True)
+    finals = set()
+    for chunks in ([[t] for t in ids], [ids], [ids[:6], ids[6:8], ids[8:]]):
+        _, final = stream(byte_fallback, prompt, ids, params, chunks)
+        finals.add((final.text, tuple(final.token_ids), final.finish_reason))
+    assert finals == {("文文,hello  ", tuple(ids[:-1]), FinishReason.STOP)}
+
+
 def test_the_reported_stop_string_stream(smollm2):
     """The report: a repeated phrase, stop "epsilon, alpha beta gamma" completed inside a
     run of tokens; the stream sent 6 token ids while the output had 3."""
