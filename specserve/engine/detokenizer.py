@@ -230,13 +230,16 @@ class TokenChars:
         self.chars += max(0, len(text) - self._base)
         self._groups.append(self._open)
         self._open = []
+        base = None
         while len(self._groups) > 1 and sum(map(len, self._groups[1:])) >= CONTEXT_TOKENS:
             # A window must keep some text: decoders that strip a leading space would drop the
             # next token's space if the window decoded to nothing (a run of special tokens).
-            if not self.decode([t for g in self._groups[1:] for t in g]):
+            rest = self.decode([t for g in self._groups[1:] for t in g])
+            if not rest:
                 break
             del self._groups[0]
-        self._base = len(self.decode(self._window))
+            base = rest
+        self._base = len(self.decode(self._window) if base is None else base)
         return self.chars
 
 
