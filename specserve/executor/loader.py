@@ -356,6 +356,10 @@ def load_speech_model(hf_dir: Path, dtype: torch.dtype, device: torch.device, ma
         text_sd = read_state_dict(text_dir)
     else:
         text_sd = _speech_text_state_dict(sd)
+    if extra.get("text_adapter") is not None:  # low-rank factors merged into the text weights
+        from specserve.executor.text_adapter import merge_text_adapter
+
+        text_sd = merge_text_adapter(text_sd, hf_dir, extra["text_adapter"], key)
     arch = ArchConfig.from_hf(text_cfg)
     if arch.model_type == "granite":
         arch = granite_arch(text_cfg, arch)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from specserve.audio.features import input_features
 from specserve.audio.prompt import transcription_prompt
+from specserve.errors import ConfigError
 from specserve.executor.models.granite_speech import (
     EncoderConfig, ProjectorConfig, SpeechModel, checkpoint_state_dict, ctc_greedy_labels, ctc_text,
 )
@@ -578,6 +579,57 @@ def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
             t_last = time.time()
 
 
+def train_adapt(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], targets: dict[str, Any], out: Path,
+                llm: Any, tok: Any) -> None:
+    """Stage ``adapt``: the projector and the text model's low-rank adapter (``adapter``,
+    wrapped into ``llm`` by ``train.lora.add_lora`` before this runs) trained together with
+    align's LM loss.  The adapter's learning rate is the stage's times ``adapter.lr_mult``."""
+    from specserve.train.lora import LoraLinear, lora_state_dict, load_lora_state_dict
+
+    stage, ckpt = cfg.adapt, out / "adapt.pt"
+    emb = llm.get_input_embeddings()
+    end = _end_token(tok)
+    lora = [p for m in llm.modules() if isinstance(m, LoraLinear) for p in (m.lora_A.weight, m.lora_B.weight)]
+    opt = torch.optim.AdamW([{"params": list(model.projector.parameters()), "mult": 1.0},
+                             {"params": lora, "mult": cfg.adapter.lr_mult}], lr=stage.lr, weight_decay=0.01)
+    step, elapsed, done = _stage_state(ckpt, opt, {"projector": model.projector.load_state_dict,
+                                                   "adapter": lambda sd: load_lora_state_dict(llm, sd)})
+    if done or stage.max_steps <= 0:
+        log.info("adapt: done (step %d)", step)
+        return
+    model.projector.train()
+    usable = _usable(targets, 0, data["num_train"])
+    rng = np.random.default_rng(cfg.data.seed + 104729 + step)
+    params = list(model.projector.parameters()) + lora
+    t_last, losses = time.time(), []
+    while not _done(stage, step, elapsed):
+        idx = rng.choice(usable, stage.batch_size, replace=False)
+        audio = _project_many(model, [_hidden(targets, int(i)) for i in idx])
+        loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, audio, [data["texts"][int(i)] for i in idx], end))
+        lr = _lr(stage, step, elapsed)
+        for g in opt.param_groups:
+            g["lr"] = lr * g["mult"]
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        step += 1
+        now = time.time()
+        elapsed += now - t_last
+        t_last = now
+        if step % stage.checkpoint_every == 0 or _done(stage, step, elapsed):
+            sample = align_sample(model, llm, tok, data, targets, cfg, end, 2)
+            model.projector.train()
+            log.info("adapt step %d  %.1f min  loss %.3f  lr %.2e  %s", step, elapsed / 60, sum(losses) / len(losses),
+                     lr, sample)
+            losses = []
+            _save(ckpt, {"projector": model.projector.state_dict(), "adapter": lora_state_dict(llm),
+                         "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+                         "done": _done(stage, step, elapsed)})
+            t_last = time.time()
+
+
 @torch.no_grad()
 def align_sample(model: SpeechModel, llm: Any, tok: Any, data: dict[str, Any], targets: dict[str, Any],
                  cfg: SpeechTrainConfig, end: int, num: int) -> str:
@@ -603,8 +655,11 @@ def align_sample(model: SpeechModel, llm: Any, tok: Any, data: dict[str, Any], t
     return " ".join(lines)
 
 
-def export(cfg: SpeechTrainConfig, model: SpeechModel, out: Path, text_config: Any) -> None:
-    """The model directory: config.json + model.safetensors (encoder and projector only)."""
+def export(cfg: SpeechTrainConfig, model: SpeechModel, out: Path, text_config: Any,
+           adapter: dict[str, torch.Tensor] | None = None) -> None:
+    """The model directory: config.json + model.safetensors (encoder and projector), and
+    with ``adapter`` (``train.lora.lora_state_dict``) text_adapter.safetensors (float16
+    factors; ``executor.text_adapter`` merges them at load time)."""
     from safetensors.torch import save_file
 
     e, p = model.encoder.c, model.projector.p
@@ -636,15 +691,36 @@ def export(cfg: SpeechTrainConfig, model: SpeechModel, out: Path, text_config: A
                       "prompt": {"system": cfg.prompt_system, "instruction": cfg.prompt_instruction},
                       "trained_on": "English sentences spoken by espeak-ng (voice %s)" % cfg.data.voice},
     }
+    if adapter:
+        config["specserve"]["text_adapter"] = {"file": "text_adapter.safetensors",
+                                               "scale": cfg.adapter.alpha / cfg.adapter.rank}
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(checkpoint_state_dict(model, "model."), str(tmp / "model.safetensors"))
+    if adapter:
+        save_file({k: v.to(torch.float16).contiguous() for k, v in adapter.items()}, str(tmp / "text_adapter.safetensors"))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
+
+
+def init_from_export(model: SpeechModel, d: Path) -> dict[str, Any]:
+    """Load an exported model's encoder and projector into ``model`` (their configs must
+    match this run's); returns its training report's stages (for the new report)."""
+    from safetensors.torch import load_file
+
+    from specserve.executor.models.granite_speech import state_dict_from_checkpoint
+
+    try:
+        model.load_state_dict(state_dict_from_checkpoint(load_file(str(d / "model.safetensors"))), strict=True)
+    except RuntimeError as e:
+        raise ConfigError("init_from", f"{d}: its encoder/projector do not match this run's encoder and projector "
+                                       f"configs: {str(e).splitlines()[0]}") from e
+    report = d / "training_report.json"
+    return json.loads(report.read_text()).get("stages", {}) if report.is_file() else {}
 
 
 def _stage_summary(path: Path) -> dict[str, Any] | None:
@@ -664,24 +740,44 @@ def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
     llm, tok, _ = _text_model(cfg)
     enc, proj = model_configs(cfg, llm.config.hidden_size)
     model = SpeechModel(enc, proj, dropout=cfg.encoder.dropout)
-    for name in ("ctc", "ctc2"):
-        train_ctc(cfg, model, data, out, name)
-        if (out / f"{name}.pt").is_file():
-            model.encoder.load_state_dict(torch.load(out / f"{name}.pt", weights_only=False)["encoder"])
-    model.encoder.eval()
-    targets = build_targets(cfg, model, data, out, tok)
-    filler = train_filler(cfg, data, targets, out, llm, tok, model.projector.p)
-    train_embed(cfg, model, data, targets, out, llm.get_input_embeddings().weight, filler)
-    for name in ("embed", "align"):
-        if name == "align":
-            train_align(cfg, model, data, targets, out, llm, tok)
-        if (out / f"{name}.pt").is_file():
-            model.projector.load_state_dict(torch.load(out / f"{name}.pt", weights_only=False)["projector"])
-    export(cfg, model, out / "model", llm.config)
+    stages = ("ctc", "ctc2", "filler", "embed", "align")
+    earlier: dict[str, Any] = {}
+    if cfg.init_from:  # stages ctc .. align come from an exported model
+        earlier = init_from_export(model, Path(cfg.init_from))
+        model.encoder.eval()
+        targets = build_targets(cfg, model, data, out, tok)
+    else:
+        for name in ("ctc", "ctc2"):
+            train_ctc(cfg, model, data, out, name)
+            if (out / f"{name}.pt").is_file():
+                model.encoder.load_state_dict(torch.load(out / f"{name}.pt", weights_only=False)["encoder"])
+        model.encoder.eval()
+        targets = build_targets(cfg, model, data, out, tok)
+        filler = train_filler(cfg, data, targets, out, llm, tok, model.projector.p)
+        train_embed(cfg, model, data, targets, out, llm.get_input_embeddings().weight, filler)
+        for name in ("embed", "align"):
+            if name == "align":
+                train_align(cfg, model, data, targets, out, llm, tok)
+            if (out / f"{name}.pt").is_file():
+                model.projector.load_state_dict(torch.load(out / f"{name}.pt", weights_only=False)["projector"])
+    adapter = None
+    if cfg.adapter.rank > 0 and cfg.adapt.max_steps > 0:
+        from specserve.train.lora import add_lora, lora_state_dict
+
+        add_lora(llm, cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.modules))
+        train_adapt(cfg, model, data, targets, out, llm, tok)
+        st = torch.load(out / "adapt.pt", weights_only=False)
+        model.projector.load_state_dict(st["projector"])
+        adapter = st["adapter"]
+        stages += ("adapt",)
+    export(cfg, model, out / "model", llm.config, adapter)
+    summary = {name: _stage_summary(out / f"{name}.pt") for name in stages}
     report = {"sentences": data["num_train"], "primary_sentences": data.get("num_primary", data["num_train"]),
               "hours_of_speech": round(float(data["offsets"][data["num_train"]]) / 16000 / 3600, 2),
               "valid_cer": round(ctc_eval(model, data, 128), 4),
-              "stages": {name: _stage_summary(out / f"{name}.pt") for name in ("ctc", "ctc2", "filler", "embed", "align")}}
+              "stages": {k: earlier.get(k) if summary.get(k) is None else summary[k] for k in stages}}
+    if cfg.init_from:
+        report["init_from"] = str(cfg.init_from)
     (out / "model" / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     if cfg.export_dir:
         dst = Path(cfg.export_dir)

@@ -6,6 +6,7 @@ layout (``specserve.train.speech``).  No torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from specserve.errors import ConfigError
@@ -72,6 +73,17 @@ class SpeechStageConfig:
 
 
 @dataclass
+class SpeechAdapterConfig:
+    """The text model's low-rank adapter (stage ``adapt``; rank 0: none, the text model stays
+    as it is).  Shipped beside the encoder and merged into the text weights at load time."""
+    rank: int = 0
+    alpha: float = 32.0  # the factors' product is scaled by alpha / rank
+    modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"])
+    lr_mult: float = 1.0  # the adapter's learning rate: the stage's lr times this
+
+
+@dataclass
 class SpeechTrainConfig:
     model: Any = field(default_factory=lambda: {"name": "smollm2-135m-instruct",
                                                 "path": "embedded:smollm2-135m-instruct"})
@@ -93,6 +105,15 @@ class SpeechTrainConfig:
         max_steps=3000, max_minutes=30.0, lr=2e-3, warmup_steps=100, batch_size=32, checkpoint_every=250))
     align: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
         max_steps=300, max_minutes=40.0, lr=3e-4, warmup_steps=20, batch_size=8, checkpoint_every=25))
+    # Stage adapt: the projector and the text model's adapter trained together with the LM
+    # loss (after align; max_steps 0 or adapter.rank 0 skips it).
+    adapt: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
+        max_steps=0, max_minutes=60.0, lr=3e-4, warmup_steps=20, batch_size=8, checkpoint_every=25))
+    adapter: SpeechAdapterConfig = field(default_factory=SpeechAdapterConfig)
+    # An exported speech model directory (config.json + model.safetensors, e.g. the
+    # package's asset) whose encoder and projector stand in for stages ctc .. align: the
+    # run builds its data and targets, then trains the later stages from there.
+    init_from: Optional[str] = None
     # The audio placeholder's token id in the text model's vocabulary (a token plain text
     # never produces; SmolLM2's <empty_output>).
     audio_token_index: int = 16
@@ -116,6 +137,12 @@ def validate_speech_config(cfg: SpeechTrainConfig) -> SpeechTrainConfig:
                        ("align.batch_size", cfg.align.batch_size), ("projector.window_size", cfg.projector.window_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(key, f"must be an integer >= 1, got {value!r}")
+    if isinstance(cfg.adapter.rank, bool) or not isinstance(cfg.adapter.rank, int) or cfg.adapter.rank < 0:
+        raise ConfigError("adapter.rank", f"must be an integer >= 0, got {cfg.adapter.rank!r}")
+    if cfg.adapter.rank and not cfg.adapter.modules:
+        raise ConfigError("adapter.modules", "must name at least one linear layer (q_proj, v_proj, ...)")
+    if cfg.init_from is not None and not (Path(cfg.init_from) / "config.json").is_file():
+        raise ConfigError("init_from", f"{cfg.init_from} is not a speech model directory (no config.json)")
     if cfg.encoder.hidden_dim % cfg.encoder.num_heads:
         raise ConfigError("encoder.num_heads", f"must divide encoder.hidden_dim ({cfg.encoder.hidden_dim})")
     if cfg.projector.window_size % cfg.projector.downsample_rate:

@@ -70,3 +70,53 @@ def test_every_stage_runs_resumes_and_exports_a_loadable_model(setup):
     [t] = llm.transcribe(encode_wav(data["samples"][: data["offsets"][1]].astype(np.float32) / 32767))
     assert t.segments and t.duration_s == pytest.approx(0.6)
     assert llm.engine.blocks.usage == 0
+
+
+def test_adapt_from_an_exported_model_trains_the_text_adapter_and_ships_it(setup, tmp_path):
+    """init_from: the encoder and projector come from an exported model (stages ctc .. align
+    skipped), stage adapt trains the projector with a low-rank adapter on the text model,
+    resumes when rerun, and the export carries the adapter that the loader merges."""
+    import copy
+    import json
+
+    from transformers import AutoConfig
+
+    from specserve.llm import LLM
+
+    cfg, data, _ = setup
+    src = tmp_path / "src"
+    torch.manual_seed(1)
+    enc, proj = S.model_configs(cfg, 64)
+    S.export(cfg, S.SpeechModel(enc, proj), src, AutoConfig.from_pretrained(cfg.model["path"]))
+    (src / "training_report.json").write_text(json.dumps({"stages": {"ctc": {"steps": 7, "minutes": 1.0}}}))
+    run = tmp_path / "run"
+    run.mkdir()
+    np.savez(run / "data.npz", samples=data["samples"], offsets=data["offsets"], texts=np.asarray(data["texts"]),
+             num_train=data["num_train"])
+    cfg2 = copy.deepcopy(cfg)
+    cfg2.output_dir, cfg2.init_from, cfg2.export_dir = str(run), str(src), None
+    cfg2.data.generated_sentences = 0
+    cfg2.adapter.rank, cfg2.adapter.modules = 2, ["q_proj", "down_proj"]
+    cfg2.adapt.max_steps, cfg2.adapt.checkpoint_every, cfg2.adapt.batch_size, cfg2.adapt.warmup_steps = 2, 1, 2, 1
+    validate_speech_config(cfg2)
+    report = S.train_speech(cfg2)
+    assert report["init_from"] == str(src)
+    assert report["stages"]["ctc"] == {"steps": 7, "minutes": 1.0} and report["stages"]["adapt"]["steps"] == 2
+    assert not (run / "ctc.pt").exists() and not (run / "align.pt").exists()  # those stages came from src
+    state = torch.load(run / "adapt.pt", weights_only=False)
+    assert state["done"] and any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in state["adapter"].items())
+    cfg_json = json.loads((run / "model" / "config.json").read_text())
+    assert cfg_json["specserve"]["text_adapter"] == {"file": "text_adapter.safetensors", "scale": 16.0}
+    before = (run / "adapt.pt").stat().st_mtime_ns
+    S.train_speech(cfg2)  # rerun: the finished stage is skipped
+    assert (run / "adapt.pt").stat().st_mtime_ns == before
+    llm = LLM(str(run / "model"), dtype="float32", num_kv_blocks=128, block_size=4)
+    base = LLM(str(src), dtype="float32", num_kv_blocks=128, block_size=4)
+    merged = dict(llm.engine.target.model.named_parameters())
+    plain = dict(base.engine.target.model.named_parameters())
+    changed = {k for k in merged if not torch.equal(merged[k], plain[k])}
+    assert changed and all("qkv" in k or "down" in k for k in changed), changed
+    from specserve.audio.decode import encode_wav
+
+    [t] = llm.transcribe(encode_wav(data["samples"][: data["offsets"][1]].astype(np.float32) / 32767))
+    assert t.segments and llm.engine.blocks.usage == 0
