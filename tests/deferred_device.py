@@ -125,6 +125,8 @@ class _Defer(TorchDispatchMode):
         def run() -> None:
             real = func(*args, **kwargs)
             for dst, src in zip(tree_flatten(result)[0], tree_flatten(real)[0]):
+                if dst.shape != src.shape:  # an auxiliary output the meta kernel sizes otherwise
+                    dst.resize_(src.shape)  # (batch norm's saved statistics, empty in eval mode)
                 dst.copy_(src)
 
         self.dev.push(run, func)

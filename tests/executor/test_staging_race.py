@@ -99,3 +99,57 @@ def test_long_prompt_in_chunks_is_exact_when_the_device_runs_late(tiny_llama):
     assert chunks[:5] == [0, 0, 0, 0, 1]  # four chunks that sample nothing, then the last one
     assert dev.waits > 0  # the host ran two uploads ahead of the device: the case a race needs
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_speech_prompt_in_chunks_is_exact_when_the_device_runs_late(tmp_path, monkeypatch):
+    """A recording's prompt, its audio rows cut across prefill chunks of 8 (given input
+    embeddings on the persistent-buffer runner's eager path), with +method=ctc drafting
+    the encoder's hypothesis: the eager torch path's greedy output when the device runs late."""
+    import numpy as np
+
+    from specserve.audio import AudioClip
+    from specserve.audio.features import input_features as features
+    from specserve.audio.features import num_audio_tokens
+    from specserve.executor import audio_runner
+    from specserve.audio.prompt import transcription_prompt
+    from specserve.request import SamplingParams
+    from tiny_models import SPEECH_AUDIO_TOKEN, make_tiny_speech_model
+
+    d = make_tiny_speech_model(tmp_path / "speech")
+    rng = np.random.default_rng(3)
+    t = np.arange(int(1.7 * 16000)) / 16000
+    samples = (0.3 * np.sin(2 * np.pi * 200 * t * (1 + t)) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+    want_eng = LLMEngine(tiny_config(d, "ctc", k=4))
+    prompt = transcription_prompt(want_eng.target.tokenizer, SPEECH_AUDIO_TOKEN, num_audio_tokens(len(samples)))
+    assert len(prompt) > 24  # several chunks, the audio rows among them
+
+    def params():
+        return [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, audio=AudioClip(samples))]
+
+    want = run(want_eng, [prompt], params())
+    dev = DeferredDevice()
+    cfg = tiny_config(d, "ctc", k=4)
+    cfg.engine.max_num_batched_tokens = 8
+    eng = LLMEngine(cfg)
+    eng.runner = CudaGraphRunner(StaticStepRunner(eng.target, eng.kv, max_num_seqs=cfg.engine.max_num_seqs,
+                                                  max_num_tokens=8 + 5, attention_impl="torch", use_graphs=False,
+                                                  transfer=dev))  # fmt: skip
+    eng.sampler = DeviceSampler(cfg.engine.max_num_seqs, eng.num_spec_tokens, "cpu", vocab_size=eng.target.arch.vocab_size,
+                                transfer=dev)  # fmt: skip
+    embedded = []
+    orig = eng.runner.static.run
+    eng.runner.static.run = lambda batch, ids=None: embedded.append(bool(batch.input_embeds)) or orig(batch, ids)
+
+    def host_features(x):  # the log-mel is host work (numpy in, a CPU tensor out) on a GPU machine too
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return features(x)
+
+    with dev, monkeypatch.context() as m:
+        m.setattr(audio_runner, "input_features", host_features)
+        got = run(eng, [prompt], params())
+    assert got == want
+    assert sum(embedded) >= 2  # the audio rows reached more than one chunk's forward
+    assert dev.waits > 0
+    assert eng.blocks.num_free == eng.blocks.num_blocks
