@@ -179,10 +179,10 @@ def _done(stage: Any, step: int, elapsed_s: float) -> bool:
     return step >= stage.max_steps or elapsed_s >= stage.max_minutes * 60
 
 
-def _update(opt: Any, loss: torch.Tensor, lr: float, clip: tuple[Any, float] | None = None) -> float:
-    """One optimizer step at ``lr`` (gradients clipped to ``clip`` = (parameters, max norm)
-    if given); returns the loss as a float."""
-    for g in opt.param_groups:
+def _update(opt: Any, loss: torch.Tensor, lr: float | None, clip: tuple[Any, float] | None = None) -> float:
+    """One optimizer step at ``lr`` (None: the groups' own) (gradients clipped to ``clip`` =
+    (parameters, max norm) if given); returns the loss as a float."""
+    for g in opt.param_groups if lr is not None else ():
         g["lr"] = lr
     opt.zero_grad()
     loss.backward()
@@ -547,36 +547,8 @@ def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
     model, prompted with ``audio.prompt.transcription_prompt`` whose audio positions hold
     the projector's outputs, writes the normalised transcript and then its end-of-turn
     token (cross-entropy on those tokens only; the text model's weights never change)."""
-    stage, ckpt = cfg.align, out / "align.pt"
-    emb = llm.get_input_embeddings()
-    end = _end_token(tok)
-    opt = torch.optim.AdamW(model.projector.parameters(), lr=stage.lr, weight_decay=0.01)
-    step, elapsed, done = _stage_state(ckpt, opt, {"projector": model.projector.load_state_dict})
-    if done or stage.max_steps <= 0:
-        log.info("align: done (step %d)", step)
-        return
-    model.projector.train()
-    usable = _usable(targets, 0, data["num_train"])
-    rng = np.random.default_rng(cfg.data.seed + 7919 + step)
-    t_last, losses = time.time(), []
-    while not _done(stage, step, elapsed):
-        idx = rng.choice(usable, stage.batch_size, replace=False)
-        audio = _project_many(model, [_hidden(targets, int(i)) for i in idx])
-        loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, audio, [data["texts"][int(i)] for i in idx], end))
-        losses.append(_update(opt, loss, _lr(stage, step, elapsed), (model.projector.parameters(), 1.0)))
-        step += 1
-        now = time.time()
-        elapsed += now - t_last
-        t_last = now
-        if step % stage.checkpoint_every == 0 or _done(stage, step, elapsed):
-            sample = align_sample(model, llm, tok, data, targets, cfg, end, 2)
-            model.projector.train()
-            log.info("align step %d  %.1f min  loss %.3f  lr %.2e  %s", step, elapsed / 60, sum(losses) / len(losses),
-                     opt.param_groups[0]["lr"], sample)
-            losses = []
-            _save(ckpt, {"projector": model.projector.state_dict(), "opt": opt.state_dict(), "step": step,
-                         "elapsed": elapsed, "done": _done(stage, step, elapsed)})
-            t_last = time.time()
+    _train_lm(cfg, model, data, targets, out, llm, tok, "align", cfg.align, 7919,
+              [(list(model.projector.parameters()), 1.0)], {})
 
 
 def train_adapt(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], targets: dict[str, Any], out: Path,
@@ -584,23 +556,33 @@ def train_adapt(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
     """Stage ``adapt``: the projector and the text model's low-rank adapter (``adapter``,
     wrapped into ``llm`` by ``train.lora.add_lora`` before this runs) trained together with
     align's LM loss.  The adapter's learning rate is the stage's times ``adapter.lr_mult``."""
-    from specserve.train.lora import LoraLinear, lora_state_dict, load_lora_state_dict
+    from specserve.train.lora import LoraLinear, load_lora_state_dict, lora_state_dict
 
-    stage, ckpt = cfg.adapt, out / "adapt.pt"
+    lora = [p for m in llm.modules() if isinstance(m, LoraLinear) for p in (m.lora_A.weight, m.lora_B.weight)]
+    _train_lm(cfg, model, data, targets, out, llm, tok, "adapt", cfg.adapt, 104729,
+              [(list(model.projector.parameters()), 1.0), (lora, cfg.adapter.lr_mult)],
+              {"adapter": (lambda sd: load_lora_state_dict(llm, sd), lambda: lora_state_dict(llm))})
+
+
+def _train_lm(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], targets: dict[str, Any], out: Path,
+              llm: Any, tok: Any, name: str, stage: Any, seed_offset: int, groups: list[tuple[list[Any], float]],
+              extra: dict[str, tuple[Any, Any]]) -> None:
+    """The LM-loss loop of stages align and adapt (checkpoint ``<name>.pt``, resumable):
+    ``groups`` = (parameters, learning-rate multiplier); ``extra`` = checkpoint key ->
+    (load, save) of state beyond the projector's."""
+    ckpt = out / f"{name}.pt"
     emb = llm.get_input_embeddings()
     end = _end_token(tok)
-    lora = [p for m in llm.modules() if isinstance(m, LoraLinear) for p in (m.lora_A.weight, m.lora_B.weight)]
-    opt = torch.optim.AdamW([{"params": list(model.projector.parameters()), "mult": 1.0},
-                             {"params": lora, "mult": cfg.adapter.lr_mult}], lr=stage.lr, weight_decay=0.01)
-    step, elapsed, done = _stage_state(ckpt, opt, {"projector": model.projector.load_state_dict,
-                                                   "adapter": lambda sd: load_lora_state_dict(llm, sd)})
+    opt = torch.optim.AdamW([{"params": ps, "mult": m} for ps, m in groups], lr=stage.lr, weight_decay=0.01)
+    loaders = {"projector": model.projector.load_state_dict, **{k: load for k, (load, _) in extra.items()}}
+    step, elapsed, done = _stage_state(ckpt, opt, loaders)
     if done or stage.max_steps <= 0:
-        log.info("adapt: done (step %d)", step)
+        log.info("%s: done (step %d)", name, step)
         return
     model.projector.train()
     usable = _usable(targets, 0, data["num_train"])
-    rng = np.random.default_rng(cfg.data.seed + 104729 + step)
-    params = list(model.projector.parameters()) + lora
+    rng = np.random.default_rng(cfg.data.seed + seed_offset + step)
+    params = [p for ps, _ in groups for p in ps]
     t_last, losses = time.time(), []
     while not _done(stage, step, elapsed):
         idx = rng.choice(usable, stage.batch_size, replace=False)
@@ -608,12 +590,8 @@ def train_adapt(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
         loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, audio, [data["texts"][int(i)] for i in idx], end))
         lr = _lr(stage, step, elapsed)
         for g in opt.param_groups:
-            g["lr"] = lr * g["mult"]
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
+            g["lr"] = lr * g.get("mult", 1.0)
+        losses.append(_update(opt, loss, None, (params, 1.0)))
         step += 1
         now = time.time()
         elapsed += now - t_last
@@ -621,10 +599,10 @@ def train_adapt(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
         if step % stage.checkpoint_every == 0 or _done(stage, step, elapsed):
             sample = align_sample(model, llm, tok, data, targets, cfg, end, 2)
             model.projector.train()
-            log.info("adapt step %d  %.1f min  loss %.3f  lr %.2e  %s", step, elapsed / 60, sum(losses) / len(losses),
-                     lr, sample)
+            log.info("%s step %d  %.1f min  loss %.3f  lr %.2e  %s", name, step, elapsed / 60,
+                     sum(losses) / len(losses), lr, sample)
             losses = []
-            _save(ckpt, {"projector": model.projector.state_dict(), "adapter": lora_state_dict(llm),
+            _save(ckpt, {"projector": model.projector.state_dict(), **{k: save() for k, (_, save) in extra.items()},
                          "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
                          "done": _done(stage, step, elapsed)})
             t_last = time.time()
