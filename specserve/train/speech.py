@@ -16,9 +16,16 @@ Stages (each resumable from ``output_dir``; a finished stage is skipped on a rer
    model, prompted with ``audio.prompt.transcription_prompt`` whose audio positions hold
    the projector's outputs, writes the normalised transcript and then its end-of-turn
    token (cross-entropy on those tokens only; the text model's weights never change).
-5. ``export``: ``config.json`` (``model_type: granite_speech``, the text model's config,
+5. ``adapt`` (with ``adapter.rank`` > 0): the projector and a low-rank adapter on the text
+   model's linear layers (``train.lora``) trained together with the same LM loss; the base
+   weights stay frozen.
+6. ``export``: ``config.json`` (``model_type: granite_speech``, the text model's config,
    ``specserve.text_model`` naming where its weights come from) and ``model.safetensors``
-   holding the encoder and projector under transformers' names.
+   holding the encoder and projector under transformers' names; with an adapter,
+   ``text_adapter.safetensors`` and ``specserve.text_adapter`` (merged at load time).
+
+With ``init_from`` (an exported model directory) the encoder and projector are loaded from
+it and stages 2-4 are not run: the run builds its data and targets and goes on from there.
 
 Learning rates warm up, then follow a cosine to 10% over the stage's steps or minutes,
 whichever runs out first (the machine may be shared, so both bound a stage).
