@@ -186,11 +186,12 @@ def _done(stage: Any, step: int, elapsed_s: float) -> bool:
     return step >= stage.max_steps or elapsed_s >= stage.max_minutes * 60
 
 
-def _update(opt: Any, loss: torch.Tensor, lr: float | None, clip: tuple[Any, float] | None = None) -> float:
-    """One optimizer step at ``lr`` (None: the groups' own) (gradients clipped to ``clip`` =
-    (parameters, max norm) if given); returns the loss as a float."""
-    for g in opt.param_groups if lr is not None else ():
-        g["lr"] = lr
+def _update(opt: Any, loss: torch.Tensor, lr: float, clip: tuple[Any, float] | None = None) -> float:
+    """One optimizer step at ``lr`` (times a parameter group's ``mult`` where it has one;
+    gradients clipped to ``clip`` = (parameters, max norm) if given); returns the loss as a
+    float."""
+    for g in opt.param_groups:
+        g["lr"] = lr * g.get("mult", 1.0)
     opt.zero_grad()
     loss.backward()
     if clip is not None:
@@ -559,13 +560,12 @@ def train_align(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
 
 
 def train_adapt(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], targets: dict[str, Any], out: Path,
-                llm: Any, tok: Any) -> None:
-    """Stage ``adapt``: the projector and the text model's low-rank adapter (``adapter``,
-    wrapped into ``llm`` by ``train.lora.add_lora`` before this runs) trained together with
-    align's LM loss.  The adapter's learning rate is the stage's times ``adapter.lr_mult``."""
-    from specserve.train.lora import LoraLinear, load_lora_state_dict, lora_state_dict
+                llm: Any, tok: Any, lora: list[Any]) -> None:
+    """Stage ``adapt``: the projector and the text model's low-rank adapter (``lora``: the
+    factors ``train.lora.add_lora`` wrapped into ``llm``) trained together with align's LM
+    loss.  The adapter's learning rate is the stage's times ``adapter.lr_mult``."""
+    from specserve.train.lora import load_lora_state_dict, lora_state_dict
 
-    lora = [p for m in llm.modules() if isinstance(m, LoraLinear) for p in (m.lora_A.weight, m.lora_B.weight)]
     _train_lm(cfg, model, data, targets, out, llm, tok, "adapt", cfg.adapt, 104729,
               [(list(model.projector.parameters()), 1.0), (lora, cfg.adapter.lr_mult)],
               {"adapter": (lambda sd: load_lora_state_dict(llm, sd), lambda: lora_state_dict(llm))})
@@ -596,9 +596,7 @@ def _train_lm(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], 
         audio = _project_many(model, [_hidden(targets, int(i)) for i in idx])
         loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, audio, [data["texts"][int(i)] for i in idx], end))
         lr = _lr(stage, step, elapsed)
-        for g in opt.param_groups:
-            g["lr"] = lr * g.get("mult", 1.0)
-        losses.append(_update(opt, loss, None, (params, 1.0)))
+        losses.append(_update(opt, loss, lr, (params, 1.0)))
         step += 1
         now = time.time()
         elapsed += now - t_last
@@ -729,15 +727,14 @@ def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
     earlier: dict[str, Any] = {}
     if cfg.init_from:  # stages ctc .. align come from an exported model
         earlier = init_from_export(model, Path(cfg.init_from))
-        model.encoder.eval()
-        targets = build_targets(cfg, model, data, out, tok)
     else:
         for name in ("ctc", "ctc2"):
             train_ctc(cfg, model, data, out, name)
             if (out / f"{name}.pt").is_file():
                 model.encoder.load_state_dict(torch.load(out / f"{name}.pt", weights_only=False)["encoder"])
-        model.encoder.eval()
-        targets = build_targets(cfg, model, data, out, tok)
+    model.encoder.eval()
+    targets = build_targets(cfg, model, data, out, tok)
+    if not cfg.init_from:
         filler = train_filler(cfg, data, targets, out, llm, tok, model.projector.p)
         train_embed(cfg, model, data, targets, out, llm.get_input_embeddings().weight, filler)
         for name in ("embed", "align"):
@@ -749,11 +746,9 @@ def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
     if cfg.adapter.rank > 0 and cfg.adapt.max_steps > 0:
         from specserve.train.lora import add_lora, lora_state_dict
 
-        add_lora(llm, cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.modules))
-        train_adapt(cfg, model, data, targets, out, llm, tok)
-        st = torch.load(out / "adapt.pt", weights_only=False)
-        model.projector.load_state_dict(st["projector"])
-        adapter = st["adapter"]
+        lora = add_lora(llm, cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.modules))
+        train_adapt(cfg, model, data, targets, out, llm, tok, lora)  # leaves the checkpoint's state in place
+        adapter = lora_state_dict(llm)
         stages += ("adapt",)
     export(cfg, model, out / "model", llm.config, adapter)
     summary = {name: _stage_summary(out / f"{name}.pt") for name in stages}
