@@ -1359,11 +1359,14 @@ static void layer_run(const ss_model *m, const ss_layer *L, ss_step *s, int in_w
  * (tree_base <= start, span start + n - tree_base <= 64): its token t sees key
  * j < tree_base iff j <= positions[t] (and positions[t] - j < window), and key
  * j >= tree_base iff bit j - tree_base of tree_masks[t] is set.
+ * x_in (T, H) fp32, may be NULL: the input rows themselves (a speech prompt's
+ * audio rows beside looked-up token embeddings); NULL looks every row up in
+ * the embedding table by ids.
  * Returns 0, or a negative code for a bad argument.
  */
 int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_t *seq_info,
                const int32_t *block_tables, int max_blocks, float *out, float *const *aux, const int32_t *positions,
-               const int32_t *tree_base, const int64_t *tree_masks) {
+               const int32_t *tree_base, const int64_t *tree_masks, const float *x_in) {
     const int H = m->hidden;
     if (T <= 0 || B <= 0 || (m->n_heads / m->n_kv_heads) * m->n_kv_heads != m->n_heads) return -1;
     for (int t = 0; t < T; t++)
@@ -1373,10 +1376,13 @@ int ss_forward(const ss_model *m, int T, const int64_t *ids, int B, const int32_
                        m->n_positions);
     if (rc == 0) {
         float *x = out;
-        for (int t = 0; t < T; t++) {
-            const bf16 *e = m->embed + ids[t] * (long)H;
-            for (int i = 0; i < H; i++) x[(long)t * H + i] = bf16_to_f32(e[i]);
-        }
+        if (x_in)
+            memcpy(x, x_in, sizeof(float) * (size_t)T * H);
+        else
+            for (int t = 0; t < T; t++) {
+                const bf16 *e = m->embed + ids[t] * (long)H;
+                for (int i = 0; i < H; i++) x[(long)t * H + i] = bf16_to_f32(e[i]);
+            }
         for (int l = 0; l < m->n_layers; l++) {
             const ss_layer *L = &m->layers[l];
             if (aux && aux[l]) memcpy(aux[l], x, sizeof(float) * (size_t)T * H);
@@ -1600,7 +1606,7 @@ int ss_set_num_threads(int n) {
     return omp_get_max_threads();
 }
 
-int ss_abi_version(void) { return 6; }
+int ss_abi_version(void) { return 7; }
 
 /* Which build this is (the Python side logs it). */
 const char *ss_isa(void) {

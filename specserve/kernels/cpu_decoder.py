@@ -47,7 +47,7 @@ from specserve.kernels.cpu_features import (
 
 log = logging.getLogger(__name__)
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 
 class KernelUnavailable(RuntimeError):
@@ -101,7 +101,7 @@ def load_library(cache_dir: Path, isa: str | None = None) -> ctypes.CDLL:
         raise KernelUnavailable(f"{lib_path} has ABI {lib.ss_abi_version()}, expected {ABI_VERSION}")
     P, I32 = ctypes.c_void_p, ctypes.c_int
     for name, args, res in [
-        ("ss_forward", [P, I32, P, I32, P, P, I32, P, P, P, P, P], I32),
+        ("ss_forward", [P, I32, P, I32, P, P, I32, P, P, P, P, P, P], I32),
         ("ss_head_layer", [P, I32, I32, P, P, I32, P, P, I32, P, P, P], I32),
         ("ss_eagle3_layer", [P, I32, P, P, I32, P, P, I32, P, P, I32, P, P, I32, P, P, P], I32),
         ("ss_norm_logits", [P, P, I32, P], I32),
@@ -395,13 +395,23 @@ class CpuDecoder:
         return self.run(input_ids, FusedStepArgs.build(seqs, block_tables, positions, tree_base, tree_masks),
                         aux_layer_ids)
 
-    def run(self, input_ids: Sequence[int], step: FusedStepArgs,
-            aux_layer_ids: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+    def run(self, input_ids: Sequence[int], step: FusedStepArgs, aux_layer_ids: tuple[int, ...] = (),
+            input_embeds: Sequence[tuple[int, Tensor]] | None = None) -> tuple[Tensor, dict[int, Tensor]]:
         """``forward`` over a step's layout already built (``FusedStepArgs.from_batch``):
         the final-normed hidden states (T, H) and the residual streams entering
-        ``aux_layer_ids``, float32."""
+        ``aux_layer_ids``, float32.  ``input_embeds``: (first row on T, (n, H)
+        embeddings) pairs replacing those rows' token embeddings, rounded to bf16 and
+        scaled by the model's embedding multiplier as the torch path does
+        (``StepBatch.input_embeds``)."""
         T, H = len(input_ids), self.a.hidden_size
         ids = torch.tensor(input_ids, dtype=torch.int64)
+        x_in = None
+        if input_embeds:
+            x_in = self.embed[ids].float()
+            mult = self.a.embedding_multiplier
+            for row, rows in input_embeds:
+                src = rows.to(dtype=torch.bfloat16)
+                x_in[row : row + src.shape[0]] = (src * mult if mult != 1.0 else src).float()
         out = torch.empty(T, H, dtype=torch.float32)
         aux: dict[int, Tensor] = {}
         aux_ptrs = None
@@ -414,7 +424,8 @@ class CpuDecoder:
         info, tables, width, pos, base, masks = step.pointers()
         self.lib.ss_set_num_threads(torch.get_num_threads())  # per calling thread in OpenMP
         _check_rc(self.lib.ss_forward(ctypes.addressof(self._model), T, _ptr(ids), step.info.shape[0], info, tables,
-                                      width, _ptr(out), aux_ptrs, pos, base, masks))
+                                      width, _ptr(out), aux_ptrs, pos, base, masks,
+                                      _ptr(x_in)))
         return out, aux
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -477,3 +477,106 @@ def test_eagle3_head_on_the_fused_path_is_lossless(tmp_path, kcache, lib, oracle
     if oracle:
         assert sum(o.spec.num_accepted_tokens for o in outs) > 0
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+@pytest.mark.parametrize("text", ["llama", "granite"])
+def test_speech_prompt_rows_on_the_fused_path(tmp_path, kcache, text):
+    """A speech prompt's audio rows (``input_embeds``) run on the fused decoder: its
+    logits are as close to float32 math as the torch bf16 path's (Granite's embedding
+    multiplier applied to the rows alike), the rows really are read (the placeholder
+    token's embedding gives other logits), and cutting the prompt through the audio
+    rows does not change a logit."""
+    from specserve.audio.features import input_features, num_audio_tokens
+    from specserve.audio.prompt import transcription_prompt
+    from tests.tiny_models import SPEECH_AUDIO_TOKEN, make_tiny_speech_model
+
+    d = make_tiny_speech_model(tmp_path / "speech", text)
+    t = torch.arange(int(1.6 * 16000)) / 16000
+    feats = input_features((0.3 * torch.sin(2 * torch.pi * 220 * t * (1 + t))).numpy())
+    ref_lm = load_model(str(d), "float32", torch.device("cpu"))
+    ids = transcription_prompt(ref_lm.tokenizer, SPEECH_AUDIO_TOKEN, num_audio_tokens(len(t)))
+    first = ids.index(SPEECH_AUDIO_TOKEN)
+    with torch.no_grad():
+        emb, _ = ref_lm.speech.model.audio_embeddings(feats)
+    n, table = len(ids), list(range((len(ids) + 3) // 4 + 1))
+
+    def logits(runner, cut=None, rows=True):
+        given = [(first, emb)] if rows else None
+        if cut is None:
+            return runner.forward([SeqInput(ids, 0, table, list(range(n)), input_embeds=given)]).logits
+        a = runner.forward([SeqInput(ids[:cut], 0, table, list(range(cut)), input_embeds=[(first, emb[: cut - first])])])
+        b = runner.forward([SeqInput(ids[cut:], cut, table, list(range(n - cut)), input_embeds=[(0, emb[cut - first :])])])
+        return torch.cat([a.logits, b.logits])
+
+    kv32 = KVCache(ref_lm.arch.num_layers, 64, 4, ref_lm.arch.num_kv_heads, ref_lm.arch.head_dim, torch.float32,
+                   torch.device("cpu"))
+    from specserve.executor.backends.torch_backend import TorchRunner
+
+    with torch.no_grad():
+        for p in ref_lm.model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())  # what bf16 weights compute exactly
+    exact = logits(TorchRunner(ref_lm, kv32))
+    _, fused = _runner(d, "fused", cache_dir=kcache)
+    _, plain = _runner(d, "torch")
+    assert fused.fused is not None
+    calls = []
+    run = fused.fused.run
+    fused.fused.run = lambda ids_, *a, **k: (calls.append(len(ids_)), run(ids_, *a, **k))[1]
+    got = logits(fused)
+    assert calls == [n]  # the decoder ran the step, not the torch fallback
+    err_f, err_t = _rel_err(got, exact), _rel_err(logits(plain), exact)
+    assert err_f < 0.03, err_f
+    assert err_f <= err_t * 1.25 + 1e-3, (err_f, err_t)
+    _, fused2 = _runner(d, "fused", cache_dir=kcache)
+    assert torch.equal(logits(fused2, cut=first + emb.shape[0] // 2), got)
+    _, fused3 = _runner(d, "fused", cache_dir=kcache)
+    assert _rel_err(logits(fused3, rows=False)[-1:], got[-1:]) > 0.05
+
+
+def test_ctc_exact_equals_plain_decoding_in_bf16_on_the_fused_path(tmp_path, kcache):
+    """The speech path in bfloat16 is one numeric path: prompts with audio rows, their
+    CTC drafts and the decode steps all run on the fused decoder, so ``ctc`` exact gives
+    plain decoding's tokens whatever the hypothesis (edited ones included), beside a
+    text request, in chunks of any size, with no block left."""
+    import numpy as np
+
+    from specserve.audio import AudioClip
+    from specserve.audio.features import num_audio_tokens
+    from specserve.audio.prompt import transcription_prompt
+    from specserve.config import Config, ModelConfig, validate_config
+    from specserve.engine.engine import LLMEngine
+    from specserve.methods import method_options
+    from specserve.proposers.ctc import CtcHypothesis
+    from specserve.request import SamplingParams
+    from tests.tiny_models import SPEECH_AUDIO_TOKEN, make_tiny_speech_model
+
+    d = make_tiny_speech_model(tmp_path / "speech", "granite", seed=3)
+    loaded = load_model(str(d), "bfloat16", torch.device("cpu"))
+
+    def engine(method=None, chunk=None):
+        cfg = Config(model=ModelConfig(name="tiny-speech", path=str(d), dtype="bfloat16", cache_dir=str(kcache)))
+        cfg.engine.num_kv_blocks, cfg.engine.block_size, cfg.engine.speculation = 256, 4, "fixed"
+        cfg.engine.cpu_kernel = "fused"
+        cfg.audio.tokens_per_step = chunk
+        if method:
+            cfg.method = method_options("ctc", num_speculative_tokens=8)
+        eng = LLMEngine(validate_config(cfg), target=loaded)
+        assert eng.runner.fused is not None
+        return eng
+
+    rng = np.random.default_rng(0)
+    clips = [AudioClip((0.2 * rng.standard_normal(int(s * 16000))).astype(np.float32)) for s in (0.9, 2.3)]
+    prompts = [transcription_prompt(loaded.tokenizer, SPEECH_AUDIO_TOKEN, num_audio_tokens(len(c.samples)))
+               for c in clips] + [[5, 40, 77, 9]]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, audio=c) for c in clips] + \
+             [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    want = [o.token_ids for o in engine().generate(prompts, params)]
+    for chunk, edit in [(None, lambda t: t[:-1]), (7, lambda t: t[:3] + [99] + t[3:]), (0, lambda t: t[2:])]:
+        eng = engine("ctc", chunk)
+        hyps = {len(c.samples): edit(want[i]) for i, c in enumerate(clips)}
+        eng.proposer.hypothesis = lambda seq, logp: CtcHypothesis("", list(hyps[len(seq.params.audio.samples)]),
+                                                                  0.0, False)
+        outs = eng.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want
+        assert sum(o.spec.num_accepted_tokens for o in outs[:2]) > 0
+        assert eng.blocks.usage == 0

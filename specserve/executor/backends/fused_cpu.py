@@ -3,8 +3,9 @@
 The decoder (``kernels/cpu_decoder.c``, loaded by ``kernels.cpu_decoder``) runs
 the whole stack for a flattened ragged batch, reading the model's bf16 weights
 and KV cache in place.  Steps of more than ``fused_max_tokens`` new tokens (None:
-no limit), and steps with input embeddings (a speech prompt's audio rows), run on the
-torch path instead, over the same cache.  Rotary positions
+no limit) run on the torch path instead, over the same cache.  Steps with input
+embeddings (a speech prompt's audio rows) run fused too: the decoder takes the
+step's input rows whole.  Rotary positions
 and draft trees (``StepBatch.positions`` / ``tree_base`` / ``tree_masks``) pass
 through to the decoder, which applies the same visibility rule as the torch path.
 """
@@ -53,11 +54,11 @@ class FusedCpuRunner(TorchRunner):
     ) -> ForwardOutput:
         if device_token_ids is not None:
             batch.token_ids = device_token_ids.tolist()
-        if (self.fused_max_tokens is not None and batch.num_tokens > self.fused_max_tokens) or batch.input_embeds:
-            return super().execute(batch, aux_layer_ids)  # (input embeddings: the torch path embeds them)
+        if self.fused_max_tokens is not None and batch.num_tokens > self.fused_max_tokens:
+            return super().execute(batch, aux_layer_ids)
         L = self.loaded.arch.num_layers
         hidden, aux = self.fused.run(batch.token_ids, FusedStepArgs.from_batch(batch),
-                                     tuple(i for i in aux_layer_ids if i < L))
+                                     tuple(i for i in aux_layer_ids if i < L), batch.input_embeds)
         if L in aux_layer_ids:
             aux[L] = hidden  # the kernel's output rows are the final-normed states
         rows = batch.logits_rows
