@@ -25,7 +25,8 @@ Stages (each resumable from ``output_dir``; a finished stage is skipped on a rer
    ``text_adapter.safetensors`` and ``specserve.text_adapter`` (merged at load time).
 
 With ``init_from`` (an exported model directory) the encoder and projector are loaded from
-it and stages 2-4 are not run: the run builds its data and targets and goes on from there.
+it and stages 2-4 are not run: the run builds its data and targets and goes on from there;
+an exported text adapter is where stage ``adapt`` starts (its rank and alpha must match).
 
 Learning rates warm up, then follow a cosine to 10% over the stage's steps or minutes,
 whichever runs out first (the machine may be shared, so both bound a stage).
@@ -706,6 +707,27 @@ def init_from_export(model: SpeechModel, d: Path) -> dict[str, Any]:
     return json.loads(report.read_text()).get("stages", {}) if report.is_file() else {}
 
 
+def init_adapter_from_export(llm: Any, d: Path, rank: int, alpha: float) -> bool:
+    """Load an exported model's text adapter (``specserve.text_adapter``) into ``llm``'s
+    low-rank layers (``train.lora.add_lora`` done); False when it has none."""
+    from safetensors.torch import load_file
+
+    from specserve.train.lora import load_lora_state_dict
+
+    spec = json.loads((d / "config.json").read_text()).get("specserve", {}).get("text_adapter")
+    if not spec:
+        return False
+    if abs(float(spec["scale"]) - alpha / rank) > 1e-6:
+        raise ConfigError("adapter.alpha", f"{d}: its adapter's scale is {spec['scale']}, this run's alpha / rank "
+                                           f"is {alpha / rank}")
+    try:
+        load_lora_state_dict(llm, {k: v.float() for k, v in load_file(str(d / spec["file"])).items()})
+    except (KeyError, RuntimeError) as e:
+        raise ConfigError("init_from", f"{d}: its text adapter does not fit this run's adapter "
+                                       f"(rank {rank}, modules): {str(e).splitlines()[0]}") from e
+    return True
+
+
 def _stage_summary(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
@@ -747,6 +769,8 @@ def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
         from specserve.train.lora import add_lora, lora_state_dict
 
         lora = add_lora(llm, cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.modules))
+        if cfg.init_from and init_adapter_from_export(llm, Path(cfg.init_from), cfg.adapter.rank, cfg.adapter.alpha):
+            log.info("adapt: starts from %s's text adapter", cfg.init_from)
         train_adapt(cfg, model, data, targets, out, llm, tok, lora)  # leaves the checkpoint's state in place
         adapter = lora_state_dict(llm)
         stages += ("adapt",)

@@ -120,3 +120,21 @@ def test_adapt_from_an_exported_model_trains_the_text_adapter_and_ships_it(setup
 
     [t] = llm.transcribe(encode_wav(data["samples"][: data["offsets"][1]].astype(np.float32) / 32767))
     assert t.segments and llm.engine.blocks.usage == 0
+    # a later run from this export starts stage adapt from its adapter (same rank and alpha)
+    from safetensors.torch import load_file
+
+    from specserve.errors import ConfigError
+    from specserve.train.lora import add_lora, lora_state_dict
+
+    shipped = load_file(str(run / "model" / "text_adapter.safetensors"))
+    llm2, _, _ = S._text_model(cfg2)
+    add_lora(llm2, 2, cfg2.adapter.alpha, ["q_proj", "down_proj"])
+    assert S.init_adapter_from_export(llm2, run / "model", 2, cfg2.adapter.alpha)
+    assert all(torch.equal(v, shipped[k].float()) for k, v in lora_state_dict(llm2).items())
+    assert not S.init_adapter_from_export(llm2, src, 2, cfg2.adapter.alpha)  # src has no adapter
+    with pytest.raises(ConfigError, match="adapter.alpha"):
+        S.init_adapter_from_export(llm2, run / "model", 2, cfg2.adapter.alpha * 2)
+    llm3, _, _ = S._text_model(cfg2)
+    add_lora(llm3, 4, cfg2.adapter.alpha * 2, ["q_proj", "down_proj"])
+    with pytest.raises(ConfigError, match="init_from"):
+        S.init_adapter_from_export(llm3, run / "model", 4, cfg2.adapter.alpha * 2)
