@@ -135,30 +135,33 @@ class BlockAttention(nn.Module):
         dist = (idx[:, None] - idx[None, :]).clamp(-c.context_size, c.context_size) + c.max_pos_emb
         self.register_buffer("dists", dist, persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _attend(self, h: Tensor) -> Tensor:
+        """Attention within each length-L block of ``h`` (N, L, hidden) -> (N, L, inner)."""
         c = self.c
-        h = self.pre_norm(x)
-        B, n, _ = h.shape
-        C = c.context_size
-        nb = math.ceil(n / C)
-        rem = n % C
-        if rem:
-            h = F.pad(h, (0, 0, 0, C - rem))
-        q = self.to_q(h).view(B * nb, C, c.num_heads, c.dim_head).transpose(1, 2)  # (B*nb, H, C, d)
+        N, L, _ = h.shape
+        q = self.to_q(h).view(N, L, c.num_heads, c.dim_head).transpose(1, 2)  # (N, H, L, d)
         k, v = self.to_kv(h).chunk(2, dim=-1)
-        k = k.reshape(B * nb, C, c.num_heads, c.dim_head).transpose(1, 2)
-        v = v.reshape(B * nb, C, c.num_heads, c.dim_head).transpose(1, 2)
-        rel = self.rel_pos_emb(self.dists)  # (C, C, d)
+        k = k.reshape(N, L, c.num_heads, c.dim_head).transpose(1, 2)
+        v = v.reshape(N, L, c.num_heads, c.dim_head).transpose(1, 2)
+        rel = self.rel_pos_emb(self.dists[:L, :L])  # (L, L, d)
         bias = torch.einsum("bhid,ijd->bhij", q, rel) * self.scale
-        if rem:  # the last block of each recording: its padding frames neither attend nor are attended
-            keep = torch.zeros(C, C, dtype=torch.bool, device=x.device)
-            keep[:rem, :rem] = True
-            bias = bias.view(B, nb, c.num_heads, C, C)
-            last = bias[:, nb - 1].masked_fill(~keep, -torch.finfo(bias.dtype).max)
-            bias = torch.cat([bias[:, : nb - 1], last[:, None]], dim=1).view(B * nb, c.num_heads, C, C)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale + bias
         attn = F.dropout(scores.softmax(dim=-1), self.dropout, self.training)
-        out = torch.matmul(attn, v).transpose(1, 2).reshape(B, nb * C, -1)[:, :n]
+        return torch.matmul(attn, v).transpose(1, 2).reshape(N, L, -1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Full blocks of context_size frames, then the last, shorter block at its own length:
+        # what padding it to a full block and masking the padding computes, without the padding.
+        C = self.c.context_size
+        h = self.pre_norm(x)
+        B, n, hidden = h.shape
+        full = n // C * C
+        parts = []
+        if full:
+            parts.append(self._attend(h[:, :full].reshape(B * (full // C), C, hidden)).reshape(B, full, -1))
+        if n > full:
+            parts.append(self._attend(h[:, full:]))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return F.dropout(self.to_out(out), self.dropout, self.training)
 
 
@@ -184,9 +187,11 @@ class ConvModule(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.glu(self.up_conv(self.norm(x).transpose(1, 2)), dim=1)
-        h = F.silu(self.batch_norm(self.depth_conv(h)))
-        return F.dropout(self.down_conv(h).transpose(1, 2), self.dropout, self.training)
+        # the pointwise (kernel 1) convolutions are matmuls over frames (torch's 1x1 conv1d
+        # takes a slow path on the CPU); only the depthwise one convolves
+        h = F.glu(F.linear(self.norm(x), self.up_conv.weight[:, :, 0], self.up_conv.bias), dim=-1)
+        h = F.silu(self.batch_norm(self.depth_conv(h.transpose(1, 2)))).transpose(1, 2)
+        return F.dropout(F.linear(h, self.down_conv.weight[:, :, 0], self.down_conv.bias), self.dropout, self.training)
 
 
 class ConformerBlock(nn.Module):
