@@ -11,7 +11,9 @@ Per run: WER (jiwer, over the corpus; references and hypotheses both normalised 
 ``audio.text.normalize_transcript``: lower case, letters and apostrophes, single
 spaces), RTFx (seconds of audio / seconds of wall time, encoder and every LLM step
 included, one recording at a time), the ctc stage counts, draft and accepted tokens, and
-for the ctc runs how many transcripts differ from plain decoding's.  With
+for the ctc runs how many transcripts differ from plain decoding's.  ``bench.ctc_ceiling``
+adds ``ctc_ceiling``: ctc exact whose hypothesis is plain decoding's own transcript of the
+recording (from an untimed pass first), the speed-up a perfect CTC draft would give here.  With
 ``bench.interleave=true`` (the default here) the runs take turns recording by recording,
 rotating which goes first, so a shared machine's drift slows them alike.  One warm-up
 recording per run first.
@@ -79,6 +81,22 @@ def wer(refs: list[str], hyps: list[str]) -> float:
     return float(jiwer.wer(r, h))
 
 
+def _perfect_hypotheses(eng: LLMEngine, plain_ids: dict[int, list[int]]) -> None:
+    """Make ``eng``'s CTC hypotheses plain decoding's token ids of the same segment of a
+    recording (keyed by its number of samples; segments of one length share one)."""
+    proposer = eng.proposer
+    real = proposer.hypothesis
+
+    def hypothesis(seq: Any, ctc_log_probs: torch.Tensor) -> Any:
+        h = real(seq, ctc_log_probs)
+        ids = plain_ids.get(len(seq.params.audio.samples))
+        if ids is not None:
+            h.token_ids, h.text = list(ids), eng.tokenizer.decode(ids)
+        return h
+
+    proposer.hypothesis = hypothesis
+
+
 def _engines(cfg: Config, target: Any) -> dict[str, LLMEngine]:
     k = 32
     exact_kw: dict[str, Any] = {}
@@ -93,6 +111,8 @@ def _engines(cfg: Config, target: Any) -> dict[str, LLMEngine]:
         "ctc_exact": method_options("ctc", num_speculative_tokens=k, **exact_kw),
         "ctc_relaxed": method_options("ctc", num_speculative_tokens=k, **relaxed_kw),
     }
+    if cfg.bench.ctc_ceiling:
+        runs["ctc_ceiling"] = method_options("ctc", num_speculative_tokens=k, **exact_kw)
     out = {}
     for name, spec in runs.items():
         c = dataclasses.replace(cfg, method=spec)
@@ -118,6 +138,17 @@ def run_audio_bench(cfg: Config) -> int:
              sum(a.duration_s for _, a, _ in data), ", ".join(engines), target.dtype)
     for eng in engines.values():  # warm-up
         transcribe_recordings(eng, [data[0][1]], opts)
+    if "ctc_ceiling" in engines:
+        plain_ids = {}
+        eos = set(engines["plain"].tokenizer.eos_token_ids)
+        for _, audio, _ in data:  # untimed: plain decoding's tokens, the perfect drafts
+            [tr] = transcribe_recordings(engines["plain"], [audio], opts)
+            for seg in tr.segments:
+                ids = list(seg.token_ids)
+                while ids and ids[-1] in eos:
+                    ids.pop()
+                plain_ids[seg.end - seg.start] = ids
+        _perfect_hypotheses(engines["ctc_ceiling"], plain_ids)
     names = list(engines)
     results: dict[str, dict[str, Any]] = {n: {"texts": [], "wall_s": 0.0, "stages": {}, "drafted": 0, "accepted": 0}
                                           for n in names}

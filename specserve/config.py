@@ -248,6 +248,10 @@ class BenchConfig:
     # dataset=audio (speech models, specserve.bench_audio): a directory of recordings and
     # their transcripts; null = the repository's held-out fixtures (tests/fixtures/speech).
     audio_dir: Optional[str] = None
+    # dataset=audio: also run "ctc_ceiling", ctc exact whose hypothesis is plain decoding's
+    # own transcript (taken in an untimed pass first): the most a perfect CTC draft gives
+    # on this machine and these recordings.
+    ctc_ceiling: bool = False
 
 
 @dataclass
@@ -654,6 +658,8 @@ def validate_config(cfg: Config) -> Config:
     _int("bench.warmup", b.warmup, 0)
     if not isinstance(b.interleave, bool):
         raise ConfigError("bench.interleave", f"must be true or false, got {b.interleave!r}")
+    if not isinstance(b.ctc_ceiling, bool):
+        raise ConfigError("bench.ctc_ceiling", f"must be true or false, got {b.ctc_ceiling!r}")
     for name in b.baselines:
         _choice("bench.baselines", name, ("specserve_vanilla", "hf"))
     return cfg

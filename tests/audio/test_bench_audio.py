@@ -41,3 +41,26 @@ def test_audio_bench_writes_every_run(tmp_path):
     assert report["runs"]["ctc_exact"]["texts_differing_from_plain"] == 0
     assert sum(report["runs"]["ctc_exact"]["ctc_stages"].values()) == 2
     assert report["config"]["audio_seconds"] == 2.2 and len(report["transcripts"]) == 2
+
+
+def test_ctc_ceiling_drafts_plain_decodings_own_transcript(tmp_path):
+    """bench.ctc_ceiling: a fourth run whose hypotheses are plain decoding's tokens; every
+    draft is accepted and the transcripts are plain decoding's."""
+    d = make_tiny_speech_model(tmp_path / "m", "granite", seed=3)
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(1)
+    for i, s in enumerate((0.7, 1.9)):
+        (data / f"r{i}.wav").write_bytes(encode_wav((0.2 * rng.standard_normal(int(s * 16000))).astype(np.float32)))
+        (data / f"r{i}.txt").write_text(f"w{i} w{i + 1}\n")
+    out = tmp_path / "bench.json"
+    rc = bench_main([f"model.path={d}", "model.dtype=float32", "bench.dataset=audio", f"bench.audio_dir={data}",
+                     f"bench.output={out}", "engine.num_kv_blocks=256", "engine.block_size=4",
+                     "engine.speculation=fixed", "bench.ctc_ceiling=true"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    run = report["runs"]["ctc_ceiling"]
+    assert run["texts_differing_from_plain"] == 0
+    assert run["draft_tokens"] > 0 and run["accepted_tokens"] == run["draft_tokens"]
+    assert report["runs"]["ctc_exact"]["accepted_tokens"] < run["accepted_tokens"]
+    assert [t["ctc_ceiling"] for t in report["transcripts"]] == [t["plain"] for t in report["transcripts"]]
