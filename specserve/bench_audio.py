@@ -140,14 +140,18 @@ def run_audio_bench(cfg: Config) -> int:
         transcribe_recordings(eng, [data[0][1]], opts)
     if "ctc_ceiling" in engines:
         plain_ids = {}
-        eos = set(engines["plain"].tokenizer.eos_token_ids)
-        for _, audio, _ in data:  # untimed: plain decoding's tokens, the perfect drafts
-            [tr] = transcribe_recordings(engines["plain"], [audio], opts)
+        # untimed: plain decoding's tokens, the perfect drafts, on an engine of its own (the
+        # timed engines' prefix caches must not hold these recordings already)
+        ref = LLMEngine(dataclasses.replace(cfg, method=None), target=target)
+        eos = set(ref.tokenizer.eos_token_ids)
+        for _, audio, _ in data:
+            [tr] = transcribe_recordings(ref, [audio], opts)
             for seg in tr.segments:
                 ids = list(seg.token_ids)
                 while ids and ids[-1] in eos:
                     ids.pop()
                 plain_ids[seg.end - seg.start] = ids
+        del ref
         _perfect_hypotheses(engines["ctc_ceiling"], plain_ids)
     names = list(engines)
     results: dict[str, dict[str, Any]] = {n: {"texts": [], "wall_s": 0.0, "stages": {}, "drafted": 0, "accepted": 0}
