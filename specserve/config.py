@@ -276,7 +276,7 @@ class AudioConfig:
     max_upload_bytes: int = 64 * 1024 * 1024  # the HTTP door's multipart limit for `file`
     # Encoder frames (50 per second of audio) the engine encodes per step at most (at
     # least one recording a step), and tokens requests with a recording run per step at
-    # most (prefill chunks, decode tokens and drafts; 0: the step budget; null: 32 on the
+    # most (prefill chunks, decode tokens and drafts; 0: the step budget; null: 64 on the
     # CPU, 0 on CUDA): they bound how long a request arriving mid-transcription waits for
     # the step in flight.
     encoder_frames_per_step: int = 1500
@@ -297,7 +297,7 @@ class AudioConfig:
         device's defaults filled in."""
         pick = lambda v, cpu, gpu: v if v is not None else (gpu if cuda else cpu)  # noqa: E731
         return (pick(self.encoder_frames_beside_text, 75, 0), pick(self.tokens_beside_text, 2, 256),
-                pick(self.tokens_per_step, 32, 0))
+                pick(self.tokens_per_step, 64, 0))
 
 
 @dataclass

@@ -213,7 +213,7 @@ def test_yielding_defaults_follow_the_device_and_are_validated():
     from specserve.errors import ConfigError
 
     a = AudioConfig()
-    assert a.yielding(cuda=False) == (75, 2, 32) and a.yielding(cuda=True) == (0, 256, 0)
+    assert a.yielding(cuda=False) == (75, 2, 64) and a.yielding(cuda=True) == (0, 256, 0)
     a.tokens_beside_text, a.tokens_per_step = 0, 0
     assert a.yielding(cuda=False) == (75, 0, 0)  # 0: off, on any device
     cfg = Config()
