@@ -424,8 +424,7 @@ class CpuDecoder:
         info, tables, width, pos, base, masks = step.pointers()
         self.lib.ss_set_num_threads(torch.get_num_threads())  # per calling thread in OpenMP
         _check_rc(self.lib.ss_forward(ctypes.addressof(self._model), T, _ptr(ids), step.info.shape[0], info, tables,
-                                      width, _ptr(out), aux_ptrs, pos, base, masks,
-                                      _ptr(x_in)))
+                                      width, _ptr(out), aux_ptrs, pos, base, masks, _ptr(x_in)))
         return out, aux
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -5,9 +5,9 @@ the whole stack for a flattened ragged batch, reading the model's bf16 weights
 and KV cache in place.  Steps of more than ``fused_max_tokens`` new tokens (None:
 no limit) run on the torch path instead, over the same cache.  Steps with input
 embeddings (a speech prompt's audio rows) run fused too: the decoder takes the
-step's input rows whole.  Rotary positions
-and draft trees (``StepBatch.positions`` / ``tree_base`` / ``tree_masks``) pass
-through to the decoder, which applies the same visibility rule as the torch path.
+step's input rows whole.  Rotary positions and draft trees (``StepBatch.positions``
+/ ``tree_base`` / ``tree_masks``) pass through to the decoder, which applies the
+same visibility rule as the torch path.
 """
 
 from __future__ import annotations
