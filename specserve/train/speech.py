@@ -708,20 +708,21 @@ def init_from_export(model: SpeechModel, d: Path) -> dict[str, Any]:
 
 
 def init_adapter_from_export(llm: Any, d: Path, rank: int, alpha: float) -> bool:
-    """Load an exported model's text adapter (``specserve.text_adapter``) into ``llm``'s
-    low-rank layers (``train.lora.add_lora`` done); False when it has none."""
-    from safetensors.torch import load_file
-
+    """Load an exported model's text adapter (``specserve.text_adapter``, read as the loader
+    reads it) into ``llm``'s low-rank layers (``train.lora.add_lora`` done); False when it
+    has none."""
+    from specserve.executor.text_adapter import read_text_adapter
     from specserve.train.lora import load_lora_state_dict
 
     spec = json.loads((d / "config.json").read_text()).get("specserve", {}).get("text_adapter")
     if not spec:
         return False
-    if abs(float(spec["scale"]) - alpha / rank) > 1e-6:
-        raise ConfigError("adapter.alpha", f"{d}: its adapter's scale is {spec['scale']}, this run's alpha / rank "
+    factors, scale, _ = read_text_adapter(d, spec, "init_from")
+    if abs(scale - alpha / rank) > 1e-6:
+        raise ConfigError("adapter.alpha", f"{d}: its adapter's scale is {scale}, this run's alpha / rank "
                                            f"is {alpha / rank}")
     try:
-        load_lora_state_dict(llm, {k: v.float() for k, v in load_file(str(d / spec["file"])).items()})
+        load_lora_state_dict(llm, {k: v.float() for k, v in factors.items()})
     except (KeyError, RuntimeError) as e:
         raise ConfigError("init_from", f"{d}: its text adapter does not fit this run's adapter "
                                        f"(rank {rank}, modules): {str(e).splitlines()[0]}") from e
@@ -769,7 +770,9 @@ def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
         from specserve.train.lora import add_lora, lora_state_dict
 
         lora = add_lora(llm, cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.modules))
-        if cfg.init_from and init_adapter_from_export(llm, Path(cfg.init_from), cfg.adapter.rank, cfg.adapter.alpha):
+        resuming = (out / "adapt.pt").is_file()  # its checkpoint holds the adapter already
+        if cfg.init_from and not resuming and init_adapter_from_export(llm, Path(cfg.init_from), cfg.adapter.rank,
+                                                                       cfg.adapter.alpha):
             log.info("adapt: starts from %s's text adapter", cfg.init_from)
         train_adapt(cfg, model, data, targets, out, llm, tok, lora)  # leaves the checkpoint's state in place
         adapter = lora_state_dict(llm)
