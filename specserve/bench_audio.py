@@ -104,7 +104,8 @@ def _engines(cfg: Config, target: Any) -> dict[str, LLMEngine]:
     m = cfg.method
     if m is not None and m.method == "ctc":
         k = m.num_speculative_tokens or k
-        relaxed_kw.update(ctc_entropy_threshold=m.ctc_entropy_threshold,
+        exact_kw.update(ctc_spelling=m.ctc_spelling)
+        relaxed_kw.update(ctc_entropy_threshold=m.ctc_entropy_threshold, ctc_spelling=m.ctc_spelling,
                           ctc_confidence_threshold=m.ctc_confidence_threshold, ctc_fallback=m.ctc_fallback)
     runs = {
         "plain": None,

@@ -18,6 +18,11 @@ with the text model's tokenizer, is the draft of the transcript.  Two acceptance
   drafts) or ``restart`` (the hypothesis dropped, plain decoding from the prompt, as
   IBM's evaluation scripts do, without their 2-beam search).  Sampled requests are
   verified as in ``exact``.
+
+``ctc_spelling`` (``auto``: ``vocabulary`` for models writing normalised lowercase
+transcripts) rewrites the CTC text's words that are not among the text model's word tokens
+into the nearest ones (``specserve.audio.spelling``) before it is tokenized: better drafts
+in both modes, and in relaxed mode the text the gate settles with.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from specserve.methods import MethodSpec, SpeculativeConfig, register
 
 ACCEPTANCE_MODES = ("exact", "relaxed")
 FALLBACKS = ("resume", "restart")
+SPELLINGS = ("auto", "none", "vocabulary")
 
 
 @dataclass
@@ -37,6 +43,10 @@ class CtcOptions(SpeculativeConfig):
     ctc_entropy_threshold: float = 0.7  # nats; the gate is off at 0 or below
     ctc_confidence_threshold: float = 0.2
     ctc_fallback: str = "resume"
+    # How the CTC text is spelt before it is tokenized: "vocabulary" rewrites words outside
+    # the text model's word tokens (specserve.audio.spelling), "none" keeps the greedy text,
+    # "auto" is vocabulary for models that write normalised lowercase transcripts, else none.
+    ctc_spelling: str = "auto"
 
     @property
     def lossless(self) -> bool:
@@ -48,6 +58,8 @@ class CtcOptions(SpeculativeConfig):
                                                        f"got {self.ctc_acceptance!r}")
         if self.ctc_fallback not in FALLBACKS:
             raise ConfigError("method.ctc_fallback", f"must be one of {', '.join(FALLBACKS)}; got {self.ctc_fallback!r}")
+        if self.ctc_spelling not in SPELLINGS:
+            raise ConfigError("method.ctc_spelling", f"must be one of {', '.join(SPELLINGS)}; got {self.ctc_spelling!r}")
         t = self.ctc_entropy_threshold
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
             raise ConfigError("method.ctc_entropy_threshold", f"must be a number (nats), got {t!r}")

@@ -6,7 +6,8 @@ What the engine asks of it, besides the proposer protocol:
   CTC path (argmax per frame, repeats merged, blank 0 dropped), its labels read as
   Unicode code points, the text stripped (and normalised where the model writes
   normalised transcripts), re-tokenized with the text model's tokenizer (no special
-  tokens) -> a ``CtcHypothesis`` with the tokens and whether the entropy gate settles the
+  tokens; first spelt with the text model's vocabulary where ``method.ctc_spelling``
+  says so, ``audio.spelling``) -> a ``CtcHypothesis`` with the tokens and whether the entropy gate settles the
   request (relaxed mode, greedy requests, non-empty text, max entropy <= threshold).
   The engine keeps the tokens on the request (``Sequence.hypothesis``, kept across
   preemption) and seeds the first step's drafts with them.
@@ -66,6 +67,19 @@ class CtcProposer:
         self.relaxed = opts.ctc_acceptance == "relaxed"
         self.num_spec_tokens = int(opts.num_speculative_tokens or 0)
         self._drafter = _HypothesisDrafts(self.num_spec_tokens)
+        spelling = opts.ctc_spelling if opts.ctc_spelling != "auto" else ("vocabulary" if normalized else "none")
+        self.speller = None
+        if spelling == "vocabulary":
+            from specserve.audio.spelling import VocabularySpeller, vocabulary_lexicon
+
+            lexicon = vocabulary_lexicon(tokenizer)
+            if lexicon:
+                self.speller = VocabularySpeller(lexicon)
+            elif opts.ctc_spelling == "vocabulary":
+                from specserve.errors import ConfigError
+
+                raise ConfigError("method.ctc_spelling", "vocabulary: the model's tokenizer has no word-initial "
+                                                         "lowercase tokens to spell with; use auto or none")
 
     # ------------------------------------------------------------ the engine's hooks
     def hypothesis(self, seq: Any, ctc_log_probs: torch.Tensor) -> CtcHypothesis:
@@ -74,6 +88,8 @@ class CtcProposer:
             from specserve.audio.text import normalize_transcript
 
             text = normalize_transcript(text)
+        if self.speller is not None and text:
+            text = self.speller.correct(text)
         ids = self.tokenizer(text, add_special_tokens=False).input_ids if text else []
         ent = ctc_max_entropy(ctc_log_probs)
         greedy = seq.params.temperature < GREEDY_EPS
