@@ -4,7 +4,8 @@ speech model (``specserve.train.speech``, ``data.generated_sentences``).
 The ShareGPT training pool (``speech_data.training_sentences``) is conversational and
 technical: it rarely says "bread", "coat" or "river".  These sentences fill that gap: the
 frozen text model is asked, topic by topic from ``TOPICS`` (everyday life, written for
-this purpose), for ten short plain sentences; the lines are normalised as transcripts are
+this purpose), for ten short plain sentences (specserve's own engine samples them:
+temperature 0.9, top-p 0.95, a seed per prompt); the lines are normalised as transcripts are
 (``audio.text``), kept when they hold 3 to 14 plain words, deduplicated, and never one of
 the excluded (held-out test) sentences nor a sentence containing one.  Sampling is seeded
 (the same sentences on a rerun with the same thread count); the batches written so far
@@ -99,7 +100,6 @@ def generated_sentences(hf_dir: Path, num: int, exclude: list[str], seed: int, c
     """``num`` distinct normalised sentences written by the text model in ``hf_dir``
     (batches cached in ``cache``, a JSONL file)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     held = [normalize_transcript(s) for s in exclude]
     held_set = set(held)
@@ -121,20 +121,22 @@ def generated_sentences(hf_dir: Path, num: int, exclude: list[str], seed: int, c
         take(b)
     if len(out) >= num:
         return out[:num]
+    from transformers import AutoTokenizer
+
+    from specserve.llm import LLM
+    from specserve.request import SamplingParams
+
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    tok.padding_side = "left"
-    llm = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    llm = LLM(str(hf_dir), num_threads=torch.get_num_threads())  # the fused CPU decoder in bf16 where it runs
     t0 = time.time()
     while len(out) < num:
         b = len(batches)
         topics = [TOPICS[(b * batch_size + i) % len(TOPICS)] for i in range(batch_size)]
-        enc = tok([_prompt(tok, t) for t in topics], return_tensors="pt", padding=True, add_special_tokens=False)
-        torch.manual_seed(seed * 1000003 + b)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            gen = llm.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.9, top_p=0.95,
-                               pad_token_id=pad)
-        texts = ["1." + tok.decode(g[enc.input_ids.shape[1]:], skip_special_tokens=True) for g in gen]
+        # keyed seeds: each prompt's draws depend on its own seed only, not on its batch
+        params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=max_new_tokens,
+                                 seed=seed * 1000003 + b * batch_size + i) for i in range(batch_size)]
+        gen = llm.generate([_prompt(tok, t) for t in topics], params, use_tqdm=False, add_special_tokens=False)
+        texts = ["1." + g.outputs[0].text for g in gen]
         with cache.open("a") as f:
             f.write(json.dumps(texts) + "\n")
         batches.append(texts)

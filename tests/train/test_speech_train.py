@@ -138,3 +138,25 @@ def test_adapt_from_an_exported_model_trains_the_text_adapter_and_ships_it(setup
     add_lora(llm3, 4, cfg2.adapter.alpha * 2, ["q_proj", "down_proj"])
     with pytest.raises(ConfigError, match="init_from"):
         S.init_adapter_from_export(llm3, run / "model", 4, cfg2.adapter.alpha * 2)
+
+
+def test_generated_sentences_come_from_the_engine_seeded_and_cached(tmp_path, monkeypatch):
+    """The text model's everyday sentences (data.generated_sentences): written by specserve's
+    engine with a seed per prompt (a fresh cache gives the same sentences), normalised, 3 to
+    14 words, never a held-out sentence; a rerun reads the cache and generates nothing."""
+    from specserve.executor.loader import resolve_hf_dir
+    from specserve.train import speech_text
+
+    hf = resolve_hf_dir("embedded:smollm2-135m-instruct", None)
+    a = speech_text.generated_sentences(hf, 6, [], 3, tmp_path / "a.jsonl", batch_size=2, max_new_tokens=48)
+    assert len(a) == 6 and len(set(a)) == 6
+    assert all(3 <= len(s.split()) <= 14 and s == speech_text.normalize_transcript(s) for s in a)
+    held = [a[0]]
+    b = speech_text.generated_sentences(hf, 5, held, 3, tmp_path / "b.jsonl", batch_size=2, max_new_tokens=48)
+    assert b == [s for s in a if s != a[0]][:5]  # the same draws; the held-out sentence left out
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the cache holds enough sentences: nothing to generate")
+
+    monkeypatch.setattr("specserve.llm.LLM", no_engine)
+    assert speech_text.generated_sentences(hf, 6, [], 3, tmp_path / "a.jsonl", batch_size=2) == a
