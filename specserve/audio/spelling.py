@@ -17,7 +17,9 @@ programme over them, at the least total cost:
   word, or the nearest one (``merge_cost`` plus the distance).
 
 Words holding anything but lowercase letters and apostrophes are left as they are, so a
-transcript with case and punctuation keeps them.  The speller changes drafts only: with
+transcript with case and punctuation keeps them.  One call makes at most ``max_searches``
+nearest-word searches (about a millisecond each; results are cached across calls), so a
+long or garbled transcript cannot hold the engine thread: the words past that budget stay.  The speller changes drafts only: with
 ``ctc_acceptance: exact`` the output is still plain decoding's; in relaxed mode it is the
 text the entropy gate settles with and the hypothesis the first pass verifies.
 """
@@ -50,14 +52,18 @@ def vocabulary_lexicon(tokenizer: Any) -> dict[str, int]:
 
 class VocabularySpeller:
     def __init__(self, lexicon: dict[str, int], oov_cost: float = 1.6, split_cost: float = 1.2,
-                 merge_cost: float = 0.5):
+                 merge_cost: float = 0.5, max_searches: int = 64, max_word_len: int = 24):
         if not lexicon:
             raise ValueError("the lexicon is empty (the tokenizer has no word-initial lowercase tokens)")
         self.rank = lexicon
         self.oov_cost, self.split_cost, self.merge_cost = oov_cost, split_cost, merge_cost
+        # the work one transcript may cost the engine thread: nearest-word searches (about a
+        # millisecond each) per call, and no search for longer words (no lexicon word is near)
+        self.max_searches, self.max_word_len = max_searches, max_word_len
         self._words = sorted(lexicon, key=len)  # by length: the candidates of a length range are a slice
         self._lengths = [len(w) for w in self._words]
         self._cache: dict[str, tuple[str, int] | None] = {}
+        self._searches = 0
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> "VocabularySpeller":
@@ -68,6 +74,9 @@ class VocabularySpeller:
         distance; None when there is none."""
         if word in self._cache:
             return self._cache[word]
+        if len(word) > self.max_word_len or self._searches >= self.max_searches:
+            return None
+        self._searches += 1
         limit = max(1, len(word) // 3)
         lo = bisect.bisect_left(self._lengths, len(word) - limit)
         hi = bisect.bisect_right(self._lengths, len(word) + limit)
@@ -88,6 +97,7 @@ class VocabularySpeller:
         n = len(words)
         if n == 0:
             return text
+        self._searches = 0
         inf = float("inf")
         cost = [inf] * (n + 1)
         back: list[tuple[int, list[str]] | None] = [None] * (n + 1)

@@ -104,3 +104,22 @@ def test_the_proposer_spells_where_the_option_says(speller):
     with pytest.raises(ConfigError, match="method.ctc_spelling"):
         validate_config(Config(model=ModelConfig(path="x"),
                                method=method_options("ctc", num_speculative_tokens=4, ctc_spelling="lexicon")))
+
+
+def test_one_transcript_searches_at_most_its_budget():
+    sp = VocabularySpeller(vocabulary_lexicon(_Tok()), max_searches=2)
+    calls = []
+    real = sp.nearest.__func__
+
+    def counting(self, word):
+        before = self._searches
+        out = real(self, word)
+        calls.append(self._searches - before)
+        return out
+
+    sp.nearest = counting.__get__(sp)
+    out = sp.correct("rivr cleare tomatos warmm")
+    assert sum(calls) == 2  # "rivr", then "rivrcleare" (a join): the budget is spent
+    assert out == "river cleare tomatos warmm"
+    assert sp.correct("tomatos") == "tomatoes"  # a new call, a new budget
+    assert sp.correct("x" * 40) == "x" * 40  # too long to search
