@@ -18,8 +18,10 @@ programme over them, at the least total cost:
 
 Words holding anything but lowercase letters and apostrophes are left as they are, so a
 transcript with case and punctuation keeps them.  One call makes at most ``max_searches``
-nearest-word searches (about a millisecond each; results are cached across calls), so a
-long or garbled transcript cannot hold the engine thread: the words past that budget stay.  The speller changes drafts only: with
+nearest-word searches (about a millisecond each; a word met twice in it is searched once,
+and nothing is kept from one call to the next, so no transcript's timing reveals another's
+words), so a long or garbled transcript cannot hold the engine thread: the words past that
+budget stay.  The speller changes drafts only: with
 ``ctc_acceptance: exact`` the output is still plain decoding's; in relaxed mode it is the
 text the entropy gate settles with and the hypothesis the first pass verifies.
 """
@@ -85,19 +87,20 @@ class VocabularySpeller:
         if hits:
             cand, dist, _ = min(hits, key=lambda h: (h[1], self.rank[h[0]], h[0]))
             found = (cand, int(dist))
-        if len(self._cache) < 65536:
-            self._cache[word] = found
+        self._cache[word] = found
         return found
 
     def _known(self, w: str) -> bool:
         return w in self.rank or not _WORD.fullmatch(w)
 
     def correct(self, text: str) -> str:
+        """``text`` with its words respelt (single spaces between them)."""
         words = text.split()
         n = len(words)
         if n == 0:
             return text
         self._searches = 0
+        self._cache = {}  # per call: what one transcript looked up never speeds up another's
         inf = float("inf")
         cost = [inf] * (n + 1)
         back: list[tuple[int, list[str]] | None] = [None] * (n + 1)

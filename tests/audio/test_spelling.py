@@ -122,4 +122,5 @@ def test_one_transcript_searches_at_most_its_budget():
     assert sum(calls) == 2  # "rivr", then "rivrcleare" (a join): the budget is spent
     assert out == "river cleare tomatos warmm"
     assert sp.correct("tomatos") == "tomatoes"  # a new call, a new budget
+    assert sp._cache == {"tomatos": ("tomatoes", 1)}  # and its own cache: nothing kept from the call before
     assert sp.correct("x" * 40) == "x" * 40  # too long to search
