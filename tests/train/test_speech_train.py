@@ -160,3 +160,21 @@ def test_generated_sentences_come_from_the_engine_seeded_and_cached(tmp_path, mo
 
     monkeypatch.setattr("specserve.llm.LLM", no_engine)
     assert speech_text.generated_sentences(hf, 6, [], 3, tmp_path / "a.jsonl", batch_size=2) == a
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_lm_loss_uses_bfloat16_only_where_the_cpu_has_it(setup, monkeypatch, bf16):
+    """Without AVX512-BF16 or AMX, torch's bfloat16 matmuls take a scalar path (about 100 s
+    a step of stage adapt on an AVX2 machine instead of about 5): the loss runs in float32
+    there, in bfloat16 autocast where the CPU has the instructions."""
+    cfg, _, _ = setup
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert S._bf16_autocast() is bf16
+    llm, tok, _ = S._text_model(cfg)
+    seen = []
+    llm.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    emb = llm.get_input_embeddings()
+    audio = [torch.randn(3, llm.config.hidden_size)]
+    loss = S._lm_loss(llm, *S._lm_batch(cfg, tok, emb, audio, ["w3 w4"], S._end_token(tok)))
+    assert seen == [torch.bfloat16 if bf16 else torch.float32] and torch.isfinite(loss)
