@@ -1,0 +1,88 @@
+"""Choose relaxed mode's entropy gate (``method.ctc_entropy_threshold``) for a speech model on
+held-out recordings that are not the benchmark's: the validation recordings of a
+``specserve-train`` run (the last ``num_train..`` entries of its ``data.npz`` /
+``data_gen.npz``).
+
+For every recording: plain decoding's transcript (the model's LLM, greedy), the CTC greedy
+text and that text spelt with the text model's vocabulary (``audio.spelling``), and the
+largest per-frame CTC entropy.  For each candidate threshold, relaxed mode's transcript is
+approximated as the spelt CTC text where the gate settles the recording and plain decoding's
+elsewhere; the JSON lists the curve and the largest threshold whose WER stays within
+``--within`` (relative) of plain decoding's.
+
+  python scripts/speech_gate_calibration.py --model specserve/assets/smollm2-135m-speech \\
+      --out calibration.json outputs/speech-smollm2-135m/data.npz outputs/speech-smollm2-135m/data_gen.npz
+  (--exclude-json: a JSON list of sentences to leave out, e.g. an earlier run's training text)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jiwer
+import numpy as np
+import torch
+
+from specserve.audio.features import input_features
+from specserve.audio.spelling import VocabularySpeller
+from specserve.audio.text import normalize_transcript
+from specserve.executor.loader import load_speech_model
+from specserve.executor.models.granite_speech import ctc_greedy_labels, ctc_max_entropy, ctc_text
+from specserve.llm import LLM
+
+
+def validation_recordings(paths: list[str], exclude: set[str]) -> list[tuple[str, np.ndarray]]:
+    out = []
+    for p in paths:
+        d = np.load(p, allow_pickle=True)
+        texts, off, n = list(d["texts"]), d["offsets"], int(d["num_train"])
+        for i in range(n, len(texts)):
+            if texts[i] not in exclude:
+                out.append((str(texts[i]), d["samples"][off[i]:off[i + 1]].astype(np.float32) / 32768))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--within", type=float, default=0.12)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--exclude-json")
+    ap.add_argument("data", nargs="+")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    exclude = set(json.loads(Path(a.exclude_json).read_text())) if a.exclude_json else set()
+    recs = validation_recordings(a.data, exclude)
+    speech = load_speech_model(Path(a.model), torch.float32, torch.device("cpu"), None, None).speech.model
+    llm = LLM(a.model, num_threads=a.threads)
+    speller = VocabularySpeller.from_tokenizer(llm.engine.target.tokenizer)
+    outs = llm.transcribe([(x, 16000) for _, x in recs])
+    rows = []
+    for (ref, x), o in zip(recs, outs):
+        with torch.no_grad():
+            _, logp = speech.audio_embeddings(input_features(x))
+        ctc = normalize_transcript(ctc_text(ctc_greedy_labels(logp)))
+        rows.append({"ref": ref, "plain": normalize_transcript(o.text), "ctc": ctc, "spelt": speller.correct(ctc),
+                     "max_entropy": round(ctc_max_entropy(logp), 4)})
+    refs = [r["ref"] for r in rows]
+    plain = jiwer.wer(refs, [r["plain"] for r in rows])
+    curve, best = [], None
+    for t in sorted({0.7, *(r["max_entropy"] for r in rows)}):
+        hyp = [r["spelt"] if r["max_entropy"] <= t else r["plain"] for r in rows]
+        w = jiwer.wer(refs, hyp)
+        curve.append({"threshold": t, "settled": sum(r["max_entropy"] <= t for r in rows), "wer": round(w, 4)})
+        if w <= plain * (1 + a.within):
+            best = t
+    res = {"model": a.model, "recordings": len(rows), "plain_wer": round(plain, 4),
+           "ctc_wer": round(jiwer.wer(refs, [r["ctc"] for r in rows]), 4),
+           "spelt_wer": round(jiwer.wer(refs, [r["spelt"] for r in rows]), 4),
+           "within": a.within, "largest_threshold_within": best, "curve": curve, "rows": rows}
+    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in res.items() if k not in ("curve", "rows")}))
+
+
+if __name__ == "__main__":
+    main()
