@@ -5,10 +5,11 @@ What the engine asks of it, besides the proposer protocol:
 * ``hypothesis(seq, ctc_log_probs)`` once a request's recording is encoded: the greedy
   CTC path (argmax per frame, repeats merged, blank 0 dropped), its labels read as
   Unicode code points, the text stripped (and normalised where the model writes
-  normalised transcripts), re-tokenized with the text model's tokenizer (no special
-  tokens; first spelt with the text model's vocabulary where ``method.ctc_spelling``
-  says so, ``audio.spelling``) -> a ``CtcHypothesis`` with the tokens and whether the entropy gate settles the
-  request (relaxed mode, greedy requests, non-empty text, max entropy <= threshold).
+  normalised transcripts), spelt with the text model's vocabulary where
+  ``method.ctc_spelling`` says so (``audio.spelling``), re-tokenized with the text
+  model's tokenizer (no special tokens) -> a ``CtcHypothesis`` with the tokens and
+  whether the entropy gate settles the request (relaxed mode, greedy requests, non-empty
+  text, max entropy <= threshold).
   The engine keeps the tokens on the request (``Sequence.hypothesis``, kept across
   preemption) and seeds the first step's drafts with them.
 * ``first_pass(seq, draft_probs)`` after the first verification of a relaxed greedy
