@@ -25,10 +25,8 @@ import jiwer
 import numpy as np
 import torch
 
-from specserve.audio.features import input_features
 from specserve.audio.spelling import VocabularySpeller
 from specserve.audio.text import normalize_transcript
-from specserve.executor.loader import load_speech_model
 from specserve.executor.models.granite_speech import ctc_greedy_labels, ctc_max_entropy, ctc_text
 from specserve.llm import LLM
 
@@ -56,14 +54,13 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     exclude = set(json.loads(Path(a.exclude_json).read_text())) if a.exclude_json else set()
     recs = validation_recordings(a.data, exclude)
-    speech = load_speech_model(Path(a.model), torch.float32, torch.device("cpu"), None, None).speech.model
     llm = LLM(a.model, num_threads=a.threads)
+    runner = llm.engine.speech.runner  # the engine's own encoder pass (log-mel, encoder, CTC head)
     speller = VocabularySpeller.from_tokenizer(llm.engine.target.tokenizer)
     outs = llm.transcribe([(x, 16000) for _, x in recs])
     rows = []
     for (ref, x), o in zip(recs, outs):
-        with torch.no_grad():
-            _, logp = speech.audio_embeddings(input_features(x))
+        logp = runner.encode(x).ctc_log_probs
         ctc = normalize_transcript(ctc_text(ctc_greedy_labels(logp)))
         rows.append({"ref": ref, "plain": normalize_transcript(o.text), "ctc": ctc, "spelt": speller.correct(ctc),
                      "max_entropy": round(ctc_max_entropy(logp), 4)})

@@ -90,9 +90,6 @@ class VocabularySpeller:
         self._cache[word] = found
         return found
 
-    def _known(self, w: str) -> bool:
-        return w in self.rank or not _WORD.fullmatch(w)
-
     def correct(self, text: str) -> str:
         """``text`` with its words respelt (single spaces between them)."""
         words = text.split()
@@ -101,13 +98,14 @@ class VocabularySpeller:
             return text
         self._searches = 0
         self._cache = {}  # per call: what one transcript looked up never speeds up another's
+        plain = [bool(_WORD.fullmatch(w)) for w in words]  # only such words are respelt or joined
         inf = float("inf")
         cost = [inf] * (n + 1)
         back: list[tuple[int, list[str]] | None] = [None] * (n + 1)
         cost[0] = 0.0
         for i, w in enumerate(words):
             options: list[tuple[int, list[str], float]] = []
-            if self._known(w):
+            if w in self.rank or not plain[i]:
                 options.append((1, [w], 0.0))
             else:
                 options.append((1, [w], self.oov_cost))
@@ -119,8 +117,8 @@ class VocabularySpeller:
                         options.append((1, [w[:k], w[k:]], self.split_cost))
             if i + 1 < n:
                 v = words[i + 1]
-                joinable = _WORD.fullmatch(w) and _WORD.fullmatch(v)
-                if joinable and (w not in self.rank or v not in self.rank or len(w) == 1 or len(v) == 1):
+                odd = w not in self.rank or v not in self.rank or len(w) == 1 or len(v) == 1
+                if plain[i] and plain[i + 1] and odd:
                     m = w + v
                     if m in self.rank:
                         options.append((2, [m], self.merge_cost))

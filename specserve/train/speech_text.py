@@ -121,13 +121,11 @@ def generated_sentences(hf_dir: Path, num: int, exclude: list[str], seed: int, c
         take(b)
     if len(out) >= num:
         return out[:num]
-    from transformers import AutoTokenizer
-
     from specserve.llm import LLM
     from specserve.request import SamplingParams
 
-    tok = AutoTokenizer.from_pretrained(str(hf_dir))
     llm = LLM(str(hf_dir), num_threads=torch.get_num_threads())  # the fused CPU decoder in bf16 where it runs
+    tok = llm.engine.target.tokenizer  # the model's transformers tokenizer (renders the prompts)
     t0 = time.time()
     while len(out) < num:
         b = len(batches)
