@@ -9,10 +9,13 @@ in merge order, so a lower id is a more frequent word.
 ``VocabularySpeller.correct`` rewrites the words of a lowercase transcript by a dynamic
 programme over them, at the least total cost:
 
-* a lexicon word stays (cost 0);
+* a lexicon word stays (cost 0), and so does a contraction of one ("i'm", "it's", "can't":
+  the letters before its apostrophe are a lexicon word; byte-pair vocabularies hold the
+  clitics as tokens of their own, not the contracted words);
 * a word outside the lexicon stays (``oov_cost``), or becomes the nearest lexicon word by
   Levenshtein distance, at most a third of its length and at least 1 (cost: the distance;
-  ties go to the more frequent word), or splits into two lexicon words (``split_cost``);
+  ties go to a word with the same first letter, then to the more frequent word: "yess" is
+  "yes", not "less"), or splits into two lexicon words (``split_cost``);
 * two neighbours, one of them outside the lexicon or a single letter, join into a lexicon
   word, or the nearest one (``merge_cost`` plus the distance).
 
@@ -47,7 +50,7 @@ def vocabulary_lexicon(tokenizer: Any) -> dict[str, int]:
         if not tok or tok[0] not in _MARKERS:
             continue
         w = tok[1:]
-        if _WORD.fullmatch(w) and (len(w) > 1 or w in ("a", "i")) and i < lex.get(w, 1 << 62):
+        if _WORD.fullmatch(w) and w.strip("'") and (len(w) > 1 or w in ("a", "i")) and i < lex.get(w, 1 << 62):
             lex[w] = int(i)
     return lex
 
@@ -85,10 +88,15 @@ class VocabularySpeller:
         hits = process.extract(word, self._words[lo:hi], scorer=Levenshtein.distance, score_cutoff=limit, limit=None)
         found = None
         if hits:
-            cand, dist, _ = min(hits, key=lambda h: (h[1], self.rank[h[0]], h[0]))
+            cand, dist, _ = min(hits, key=lambda h: (h[1], h[0][:1] != word[:1], self.rank[h[0]], h[0]))
             found = (cand, int(dist))
         self._cache[word] = found
         return found
+
+    def _known(self, word: str) -> bool:
+        """A lexicon word, or a contraction of one."""
+        stem, apostrophe, _ = word.partition("'")
+        return word in self.rank or (bool(apostrophe) and stem in self.rank)
 
     def correct(self, text: str) -> str:
         """``text`` with its words respelt (single spaces between them)."""
@@ -105,7 +113,7 @@ class VocabularySpeller:
         cost[0] = 0.0
         for i, w in enumerate(words):
             options: list[tuple[int, list[str], float]] = []
-            if w in self.rank or not plain[i]:
+            if not plain[i] or self._known(w):
                 options.append((1, [w], 0.0))
             else:
                 options.append((1, [w], self.oov_cost))
@@ -117,7 +125,7 @@ class VocabularySpeller:
                         options.append((1, [w[:k], w[k:]], self.split_cost))
             if i + 1 < n:
                 v = words[i + 1]
-                odd = w not in self.rank or v not in self.rank or len(w) == 1 or len(v) == 1
+                odd = not self._known(w) or not self._known(v) or len(w) == 1 or len(v) == 1
                 if plain[i] and plain[i + 1] and odd:
                     m = w + v
                     if m in self.rank:

@@ -16,7 +16,8 @@ from specserve.methods import method_options
 from specserve.proposers.ctc import CtcProposer
 
 WORDS = ["the", "a", "i", "coat", "come", "warm", "left", "open", "dinner", "after", "river", "clear", "tomatoes",
-         "garden", "gate", "was", "all", "night", "lamp", "on", "table", "we", "planted"]
+         "garden", "gate", "was", "all", "night", "lamp", "on", "table", "we", "planted",
+         "less", "it", "yes", "im", "its"]
 
 
 class _Tok:
@@ -25,7 +26,8 @@ class _Tok:
 
     def __init__(self, words=WORDS, marker="Ġ"):
         self.vocab = {f"{marker}{w}": i + 10 for i, w in enumerate(words)}
-        self.vocab.update({"coat": 900, "ĠHello": 901, "Ġx": 902, "Ġ42": 903, "<|im_end|>": 2, "Ġdon't": 904})
+        self.vocab.update({"coat": 900, "ĠHello": 901, "Ġx": 902, "Ġ42": 903, "<|im_end|>": 2, "Ġdon't": 904,
+                           "Ġ''": 905})
 
     def get_vocab(self):
         return dict(self.vocab)
@@ -41,6 +43,7 @@ def test_the_lexicon_is_the_word_initial_lowercase_tokens():
     assert lex["coat"] == 13 and lex["the"] == 10  # the marked token's id, not the bare "coat" (900)
     assert "hello" not in lex and "Hello" not in lex and "x" not in lex and "42" not in lex
     assert lex["don't"] == 904 and lex["a"] == 11 and lex["i"] == 12
+    assert "''" not in lex  # apostrophes alone are not a word
     assert vocabulary_lexicon(_Tok(marker="▁")) == lex  # sentencepiece's marker too
     with pytest.raises(ValueError, match="lexicon is empty"):
         VocabularySpeller({})
@@ -52,7 +55,11 @@ def test_the_lexicon_is_the_word_initial_lowercase_tokens():
     ("after d inner", "after dinner"),  # a join (a single letter and its neighbour)
     ("the rivr was cleare", "the river was clear"),  # nearest words
     ("we planted tomatos", "we planted tomatoes"),
-    ("a warm cote", "a warm come"),  # a tie at distance 1: the more frequent word (lower id)
+    ("a warm cote", "a warm come"),  # the nearest word
+    ("yess it was", "yes it was"),  # a tie at distance 1 ("less" is more frequent): the same first letter wins
+    ("zess it was", "less it was"),  # no candidate shares the first letter: the more frequent word
+    ("i'm warm it's open", "i'm warm it's open"),  # contractions of lexicon words stay, not "im", "its"
+    ("the gate wasn't open", "the gate wasn't open"),  # "wasn" is no lexicon word here, and nothing is near
     ("the zzzzqqqq gate", "the zzzzqqqq gate"),  # nothing near: kept
     ("Hello, the rivr gate!", "Hello, the river gate!"),  # words with case or punctuation are left as they are
     ("", ""),
