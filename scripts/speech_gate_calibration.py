@@ -8,7 +8,9 @@ text and that text spelt with the text model's vocabulary (``audio.spelling``), 
 largest per-frame CTC entropy.  For each candidate threshold, relaxed mode's transcript is
 approximated as the spelt CTC text where the gate settles the recording and plain decoding's
 elsewhere; the JSON lists the curve and the largest threshold whose WER stays within
-``--within`` (relative) of plain decoding's.
+``--within`` (relative) of plain decoding's.  ``--write`` stores that threshold in the model's
+``config.json`` (``specserve.ctc_entropy_threshold``, with how it was chosen): relaxed mode
+uses it when ``method.ctc_entropy_threshold`` is left null.
 
   python scripts/speech_gate_calibration.py --model specserve/assets/smollm2-135m-speech \\
       --out calibration.json outputs/speech-smollm2-135m/data.npz outputs/speech-smollm2-135m/data_gen.npz
@@ -49,6 +51,7 @@ def main() -> None:
     ap.add_argument("--within", type=float, default=0.12)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--exclude-json")
+    ap.add_argument("--write", action="store_true", help="store the threshold in the model's config.json")
     ap.add_argument("data", nargs="+")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -78,6 +81,18 @@ def main() -> None:
            "spelt_wer": round(jiwer.wer(refs, [r["spelt"] for r in rows]), 4),
            "within": a.within, "largest_threshold_within": best, "curve": curve, "rows": rows}
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    if a.write and best is not None:
+        path = Path(a.model) / "config.json"
+        cfg = json.loads(path.read_text())
+        extra = cfg.setdefault("specserve", {})
+        extra["ctc_entropy_threshold"] = best
+        extra["ctc_entropy_threshold_calibration"] = {
+            "recordings": len(rows), "within": a.within, "plain_wer": res["plain_wer"],
+            "relaxed_wer": next(c["wer"] for c in curve if c["threshold"] == best),
+            "settled": next(c["settled"] for c in curve if c["threshold"] == best),
+            "script": "scripts/speech_gate_calibration.py"}
+        path.write_text(json.dumps(cfg, indent=2) + "\n")
+        print(f"wrote specserve.ctc_entropy_threshold={best} to {path}")
     print(json.dumps({k: v for k, v in res.items() if k not in ("curve", "rows")}))
 
 

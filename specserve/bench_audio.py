@@ -179,7 +179,11 @@ def run_audio_bench(cfg: Config) -> int:
                    "wer_normalization": "specserve.audio.text.normalize_transcript (lower case; letters a-z, "
                                         "apostrophes and single spaces)",
                    "ctc": {n: dataclasses.asdict(e.cfg.method) if e.cfg.method is not None else None
-                           for n, e in engines.items()}},
+                           for n, e in engines.items()},
+                   # the gate relaxed mode used: configured, the model's calibrated one, or IBM's
+                   "ctc_entropy_gate": {n: {"nats": e.proposer.entropy_threshold,
+                                            "from": e.proposer.entropy_threshold_source}
+                                        for n, e in engines.items() if n != "plain"}},
         "runs": {},
     }
     plain_texts = results["plain"]["texts"]

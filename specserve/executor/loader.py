@@ -349,6 +349,10 @@ def load_speech_model(hf_dir: Path, dtype: torch.dtype, device: torch.device, ma
         raise ModelLoadError(f"{key}.path: text_config.model_type {text_cfg.model_type!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     extra = json.loads((hf_dir / "config.json").read_text()).get("specserve") or {}
+    try:
+        spec = SpeechSpec.from_hf(cfg, extra)
+    except ValueError as e:
+        raise ModelLoadError(f"{key}.path: {hf_dir}/config.json: {e}") from e
     sd = read_state_dict(hf_dir)
     text_dir = hf_dir
     if extra.get("text_model"):  # the text weights live in another model (the embedded pairing)
@@ -378,7 +382,6 @@ def load_speech_model(hf_dir: Path, dtype: torch.dtype, device: torch.device, ma
     model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True, assign=True)
     model.rotary = Rotary(text_cfg, mml)
     model = model.to(device).eval().requires_grad_(False)
-    spec = SpeechSpec.from_hf(cfg, extra)
     speech = SpeechModel(spec.encoder, spec.projector)
     try:
         speech.load_state_dict(state_dict_from_checkpoint(sd), strict=True)

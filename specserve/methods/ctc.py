@@ -11,7 +11,9 @@ with the text model's tokenizer, is the draft of the transcript.  Two acceptance
   prefill's forward; the output is what plain decoding gives.
 * ``relaxed`` (the paper's rule, lossy: ``lossless="false"`` in metrics): a greedy request
   whose CTC posteriors' largest per-frame entropy (nats, blank included) is at most
-  ``ctc_entropy_threshold`` takes the CTC text as its answer with no LLM forward; else
+  ``ctc_entropy_threshold`` (null, the default: the threshold the model's config declares,
+  chosen for it on held-out recordings, else IBM's 0.7) takes the CTC text as its answer
+  with no LLM forward; else
   the first forward verifies the whole hypothesis and accepts it when every draft token's
   probability is at least ``ctc_confidence_threshold``; else ``ctc_fallback``: ``resume``
   (the accepted prefix kept, decoding goes on with the hypothesis re-synchronised as
@@ -28,6 +30,7 @@ in both modes, and in relaxed mode the text the gate settles with.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from specserve.errors import ConfigError
 from specserve.methods import MethodSpec, SpeculativeConfig, register
@@ -35,12 +38,15 @@ from specserve.methods import MethodSpec, SpeculativeConfig, register
 ACCEPTANCE_MODES = ("exact", "relaxed")
 FALLBACKS = ("resume", "restart")
 SPELLINGS = ("auto", "none", "vocabulary")
+DEFAULT_ENTROPY_THRESHOLD = 0.7  # IBM's evaluation scripts' gate (nats)
 
 
 @dataclass
 class CtcOptions(SpeculativeConfig):
     ctc_acceptance: str = "exact"
-    ctc_entropy_threshold: float = 0.7  # nats; the gate is off at 0 or below
+    # nats; the gate is off at 0 or below.  None: the model's calibrated gate (its config's
+    # specserve.ctc_entropy_threshold), else IBM's 0.7 (DEFAULT_ENTROPY_THRESHOLD)
+    ctc_entropy_threshold: Optional[float] = None
     ctc_confidence_threshold: float = 0.2
     ctc_fallback: str = "resume"
     # How the CTC text is spelt before it is tokenized: "vocabulary" rewrites words outside
@@ -61,8 +67,8 @@ class CtcOptions(SpeculativeConfig):
         if self.ctc_spelling not in SPELLINGS:
             raise ConfigError("method.ctc_spelling", f"must be one of {', '.join(SPELLINGS)}; got {self.ctc_spelling!r}")
         t = self.ctc_entropy_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
-            raise ConfigError("method.ctc_entropy_threshold", f"must be a number (nats), got {t!r}")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t != t):
+            raise ConfigError("method.ctc_entropy_threshold", f"must be a number (nats) or null, got {t!r}")
         c = self.ctc_confidence_threshold
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
             raise ConfigError("method.ctc_confidence_threshold", f"must be a probability in [0, 1], got {c!r}")

@@ -26,13 +26,14 @@ the release hook (``remove``) may drop them at any teardown, preemption included
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specserve.executor.models.granite_speech import ctc_greedy_labels, ctc_max_entropy, ctc_text
-from specserve.methods.ctc import CtcOptions
+from specserve.methods.ctc import DEFAULT_ENTROPY_THRESHOLD, CtcOptions
 from specserve.proposers.base import DraftRequest, Proposal, ProposerContext
 from specserve.proposers.prediction import PredictedOutputs, PredictionIndex
 from specserve.request import GREEDY_EPS
@@ -58,14 +59,31 @@ def confidence_accept(draft_probs: list[float], floor: float) -> bool:
     return bool(draft_probs) and all(p >= floor for p in draft_probs)
 
 
+log = logging.getLogger(__name__)
+
+
 class CtcProposer:
     aux_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, opts: CtcOptions, tokenizer: Any, normalized: bool = False):
+    def __init__(self, opts: CtcOptions, tokenizer: Any, normalized: bool = False,
+                 model_entropy_threshold: float | None = None):
         self.opts = opts
         self.tokenizer = tokenizer
         self.normalized = normalized
         self.relaxed = opts.ctc_acceptance == "relaxed"
+        # relaxed mode's gate: the configured one, else the model's calibrated one, else IBM's
+        if opts.ctc_entropy_threshold is not None:
+            self.entropy_threshold, self.entropy_threshold_source = float(opts.ctc_entropy_threshold), "config"
+        elif model_entropy_threshold is not None:
+            self.entropy_threshold, self.entropy_threshold_source = float(model_entropy_threshold), "model"
+        else:
+            self.entropy_threshold, self.entropy_threshold_source = DEFAULT_ENTROPY_THRESHOLD, "default"
+        if self.relaxed:
+            log.info("ctc relaxed (lossy): entropy gate %g nats (%s), confidence floor %g, fallback %s",
+                     self.entropy_threshold, {"config": "method.ctc_entropy_threshold",
+                                              "model": "calibrated for this model: its config.json",
+                                              "default": "IBM's"}[self.entropy_threshold_source],
+                     opts.ctc_confidence_threshold, opts.ctc_fallback)
         self.num_spec_tokens = int(opts.num_speculative_tokens or 0)
         self._drafter = _HypothesisDrafts(self.num_spec_tokens)
         spelling = opts.ctc_spelling if opts.ctc_spelling != "auto" else ("vocabulary" if normalized else "none")
@@ -94,7 +112,7 @@ class CtcProposer:
         ids = self.tokenizer(text, add_special_tokens=False).input_ids if text else []
         ent = ctc_max_entropy(ctc_log_probs)
         greedy = seq.params.temperature < GREEDY_EPS
-        settled = self.relaxed and greedy and entropy_gate(ent, text, float(self.opts.ctc_entropy_threshold))
+        settled = self.relaxed and greedy and entropy_gate(ent, text, self.entropy_threshold)
         return CtcHypothesis(text, list(ids), ent, settled)
 
     def judges_first_pass(self, seq: Any) -> bool:
@@ -142,4 +160,5 @@ def build(opts: CtcOptions, ctx: ProposerContext) -> CtcProposer:
 
         raise ConfigError("method.method", "ctc drafts from a speech model's CTC head; model.path is a text model "
                                            "(use a Granite-Speech-shaped model, e.g. model=smollm2-135m-speech)")
-    return CtcProposer(opts, ctx.target.tokenizer, normalized=speech.transcript == "normalized")
+    return CtcProposer(opts, ctx.target.tokenizer, normalized=speech.transcript == "normalized",
+                       model_entropy_threshold=speech.ctc_entropy_threshold)

@@ -46,6 +46,8 @@ def test_audio_bench_writes_every_run(tmp_path):
     assert report["runs"]["ctc_exact"]["texts_differing_from_plain"] == 0
     assert sum(report["runs"]["ctc_exact"]["ctc_stages"].values()) == 2
     assert report["config"]["audio_seconds"] == 2.2 and len(report["transcripts"]) == 2
+    # the tiny model declares no calibrated gate and none is configured: IBM's
+    assert report["config"]["ctc_entropy_gate"]["ctc_relaxed"] == {"nats": 0.7, "from": "default"}
 
 
 def test_ctc_ceiling_drafts_plain_decodings_own_transcript(tmp_path):

@@ -158,6 +158,18 @@ def test_a_modality_lora_is_refused_in_one_line(tmp_path):
         load_model(str(d), "float32", torch.device("cpu"))
 
 
+@pytest.mark.parametrize("gate", [0, -1.0, "high", True])
+def test_a_bad_calibrated_entropy_gate_is_refused_naming_the_key(tmp_path, gate):
+    import json
+
+    d = make_tiny_speech_model(tmp_path / "gate")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.setdefault("specserve", {})["ctc_entropy_threshold"] = gate
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="specserve.ctc_entropy_threshold must be a positive number"):
+        load_model(str(d), "float32", torch.device("cpu"))
+
+
 def test_the_prefix_cache_keys_audio_rows_by_the_recording(speech):
     """Two recordings of one length have the same prompt token ids: only the recording's
     digest keeps the second from reusing the first's cached audio rows."""

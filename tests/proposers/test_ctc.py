@@ -207,6 +207,31 @@ def test_relaxed_entropy_gate_answers_without_an_llm_forward(speech, plain):
     assert not eng.info.lossless
 
 
+@pytest.mark.parametrize("configured, calibrated, want", [
+    (None, None, 0.7),   # neither: IBM's gate
+    (None, 1.5, 1.5),    # the model's calibrated gate (config.json specserve.ctc_entropy_threshold)
+    (0.3, 1.5, 0.3),     # method.ctc_entropy_threshold wins
+    (0.0, 1.5, 0.0),     # and 0 turns the gate off even for a calibrated model
+])
+def test_relaxed_gate_is_the_configured_then_the_models_then_ibms(speech, configured, calibrated, want, monkeypatch):
+    d, loaded = speech
+    monkeypatch.setattr(loaded.speech, "ctc_entropy_threshold", calibrated)
+    eng = _engine(speech, "ctc", k=8, ctc_acceptance="relaxed", ctc_entropy_threshold=configured)
+    assert eng.proposer.entropy_threshold == want
+    # the gate decides on that threshold: a posterior row of entropy ~1.0 nats passes 1.5 only
+    row = torch.log_softmax(torch.tensor([2.0, 1.2, 0.9, 0.3] + [-30.0] * 124), -1)
+    ent = ctc_max_entropy(row[None])
+    assert 0.7 < ent < 1.5
+    logp = torch.full((3, 128), -30.0)
+    logp[:, 0] = 0.0
+    logp[1] = row  # argmax label 0 (blank): text from a frame of "a" added below
+    logp[2] = torch.full((128,), -30.0).index_fill(0, torch.tensor([97]), 0.0)
+    seq = type("Seq", (), {"params": SamplingParams(temperature=0.0)})()
+    hyp = eng.proposer.hypothesis(seq, logp)
+    assert hyp.text == "a" and hyp.settled == (want > 0 and ent <= want)
+    assert eng.proposer.opts.ctc_entropy_threshold == configured  # the config is not rewritten
+
+
 @pytest.mark.parametrize("fallback", ["resume", "restart"])
 def test_relaxed_one_pass_accepts_or_falls_back(speech, plain, fallback):
     clips, reqs, _, want = plain
@@ -254,6 +279,8 @@ def test_ctc_on_a_text_model_and_bad_options_fail_in_one_line(tmp_path):
         validate_config(Config(model=ModelConfig(path="x"), method=method_options("ctc", num_speculative_tokens=4, ctc_fallback="beam")))
     with pytest.raises(ConfigError, match="ctc_confidence_threshold"):
         validate_config(Config(model=ModelConfig(path="x"), method=method_options("ctc", num_speculative_tokens=4, ctc_confidence_threshold=2)))
+    with pytest.raises(ConfigError, match="ctc_entropy_threshold.*number \\(nats\\) or null"):
+        validate_config(Config(model=ModelConfig(path="x"), method=method_options("ctc", num_speculative_tokens=4, ctc_entropy_threshold="high")))
     d = make_tiny_model(tmp_path / "text")
     cfg = Config(model=ModelConfig(name="t", path=str(d), dtype="float32"), method=method_options("ctc", num_speculative_tokens=4))
     cfg.engine.num_kv_blocks = 32

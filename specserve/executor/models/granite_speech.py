@@ -433,6 +433,10 @@ class SpeechSpec:
     # instruction and the chat template's default system turn.
     instruction: str | None = None
     system_prompt: str | None = None
+    # Relaxed ctc's entropy gate chosen for this model on held-out recordings (config.json's
+    # specserve.ctc_entropy_threshold, written by scripts/speech_gate_calibration.py): what
+    # method.ctc_entropy_threshold: null means for it.  None: not calibrated.
+    ctc_entropy_threshold: float | None = None
     model: Any = None
 
     @property
@@ -450,6 +454,9 @@ class SpeechSpec:
         window, down = _get(c, "window_size", 15), _get(c, "downsample_rate", 5)
         if window % down:
             raise ValueError(f"downsample_rate ({down}) must divide window_size ({window})")
+        gate = extra.get("ctc_entropy_threshold")
+        if gate is not None and (isinstance(gate, bool) or not isinstance(gate, (int, float)) or not gate > 0):
+            raise ValueError(f"specserve.ctc_entropy_threshold must be a positive number of nats, got {gate!r}")
         return cls(
             encoder=EncoderConfig.from_hf(c.encoder_config),
             projector=ProjectorConfig.from_hf(c.projector_config, window, down, text_hidden),
@@ -458,4 +465,5 @@ class SpeechSpec:
             languages=tuple(extra["languages"]) if extra.get("languages") else None,
             instruction=(extra.get("prompt") or {}).get("instruction"),
             system_prompt=(extra.get("prompt") or {}).get("system"),
+            ctc_entropy_threshold=float(gate) if gate is not None else None,
         )
