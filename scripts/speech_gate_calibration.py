@@ -3,9 +3,11 @@ held-out recordings that are not the benchmark's: the validation recordings of a
 ``specserve-train`` run (the last ``num_train..`` entries of its ``data.npz`` /
 ``data_gen.npz``).
 
-For every recording: plain decoding's transcript (the model's LLM, greedy), the CTC greedy
-text and that text spelt with the text model's vocabulary (``audio.spelling``), and the
-largest per-frame CTC entropy.  For each candidate threshold, relaxed mode's transcript is
+For every recording: plain decoding's transcript (the model's LLM, greedy; ctc exact gives
+it, faster), the CTC greedy text and the text relaxed mode answers with when its gate
+settles (the ctc proposer's own hypothesis: normalised and spelt as ``method.ctc_spelling:
+auto`` does for this model), and the largest per-frame CTC entropy.  Both sides of every
+WER are normalised (``audio.text.normalize_transcript``).  For each candidate threshold, relaxed mode's transcript is
 approximated as the spelt CTC text where the gate settles the recording and plain decoding's
 elsewhere; the JSON lists the curve and the largest threshold whose WER stays within
 ``--within`` (relative) of plain decoding's.  ``--write`` stores that threshold in the model's
@@ -22,15 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import jiwer
 import numpy as np
 import torch
 
-from specserve.audio.spelling import VocabularySpeller
 from specserve.audio.text import normalize_transcript
 from specserve.executor.models.granite_speech import ctc_greedy_labels, ctc_max_entropy, ctc_text
 from specserve.llm import LLM
+from specserve.request import SamplingParams
 
 
 def validation_recordings(paths: list[str], exclude: set[str]) -> list[tuple[str, np.ndarray]]:
@@ -44,7 +47,7 @@ def validation_recordings(paths: list[str], exclude: set[str]) -> list[tuple[str
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
@@ -53,19 +56,24 @@ def main() -> None:
     ap.add_argument("--exclude-json")
     ap.add_argument("--write", action="store_true", help="store the threshold in the model's config.json")
     ap.add_argument("data", nargs="+")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.write and not (Path(a.model) / "config.json").is_file():
+        ap.error(f"--write needs --model to be a model directory (config.json); got {a.model!r}")
     torch.set_num_threads(a.threads)
     exclude = set(json.loads(Path(a.exclude_json).read_text())) if a.exclude_json else set()
     recs = validation_recordings(a.data, exclude)
-    llm = LLM(a.model, num_threads=a.threads)
+    # ctc exact: plain decoding's transcripts (lossless), and the proposer relaxed mode would use
+    llm = LLM(a.model, num_threads=a.threads, speculative_config={"method": "ctc", "num_speculative_tokens": 32})
     runner = llm.engine.speech.runner  # the engine's own encoder pass (log-mel, encoder, CTC head)
-    speller = VocabularySpeller.from_tokenizer(llm.engine.target.tokenizer)
+    proposer = llm.engine.proposer
+    greedy_seq = SimpleNamespace(params=SamplingParams(temperature=0.0))
     outs = llm.transcribe([(x, 16000) for _, x in recs])
     rows = []
     for (ref, x), o in zip(recs, outs):
         logp = runner.encode(x).ctc_log_probs
-        ctc = normalize_transcript(ctc_text(ctc_greedy_labels(logp)))
-        rows.append({"ref": ref, "plain": normalize_transcript(o.text), "ctc": ctc, "spelt": speller.correct(ctc),
+        rows.append({"ref": normalize_transcript(ref), "plain": normalize_transcript(o.text),
+                     "ctc": normalize_transcript(ctc_text(ctc_greedy_labels(logp))),
+                     "spelt": normalize_transcript(proposer.hypothesis(greedy_seq, logp).text),
                      "max_entropy": round(ctc_max_entropy(logp), 4)})
     refs = [r["ref"] for r in rows]
     plain = jiwer.wer(refs, [r["plain"] for r in rows])
