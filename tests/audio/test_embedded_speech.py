@@ -38,6 +38,8 @@ def test_the_asset_is_small_and_in_transformers_layout():
     assert cfg["model_type"] == "granite_speech" and cfg["has_lora_adapter"] is False
     assert cfg["specserve"]["text_model"] == "embedded:smollm2-135m-instruct"
     assert cfg["specserve"]["text_adapter"]["file"] == "text_adapter.safetensors"
+    # relaxed ctc's entropy gate, calibrated on validation recordings (not the fixtures)
+    assert 0.7 < cfg["specserve"]["ctc_entropy_threshold"] < 3.0
     size = sum(f.stat().st_size for f in ASSET.iterdir())
     assert size <= 40 * 1024 * 1024
 
@@ -66,8 +68,8 @@ def test_it_transcribes_held_out_speech_and_ctc_exact_equals_plain(fixtures):
     assert wer(refs, spelt) < wer(refs, greedy)
 
 
-CTC_WER_BOUND = 0.4  # greedy: measured 0.226 on the 30 fixtures, 0.273 on these 6; spelt: 0.150 and 0.159
-LLM_WER_BOUND = 0.4  # plain decoding: measured 0.226 on the 30 fixtures, 0.227 on these 6 (0.44 before the adapter)
+CTC_WER_BOUND = 0.4  # greedy: measured 0.226 on the 30 fixtures, 0.273 on these 6; spelt: 0.146 on the 30
+LLM_WER_BOUND = 0.4  # plain decoding: measured 0.199 on the 30 fixtures (0.226 after the first adapt run, 0.44 before)
 
 
 class _Seq:
