@@ -7,8 +7,8 @@ For every recording: plain decoding's transcript (the model's LLM, greedy; ctc e
 it, faster), the CTC greedy text and the text relaxed mode answers with when its gate
 settles (the ctc proposer's own hypothesis: normalised and spelt as ``method.ctc_spelling:
 auto`` does for this model), and the largest per-frame CTC entropy.  Both sides of every
-WER are normalised (``audio.text.normalize_transcript``).  For each candidate threshold, relaxed mode's transcript is
-approximated as the spelt CTC text where the gate settles the recording and plain decoding's
+WER are normalised (``audio.text.normalize_transcript``).  For each candidate threshold,
+relaxed mode's transcript is approximated as the spelt CTC text where the gate settles the recording and plain decoding's
 elsewhere; the JSON lists the curve and the largest threshold whose WER stays within
 ``--within`` (relative) of plain decoding's.  ``--write`` stores that threshold in the model's
 ``config.json`` (``specserve.ctc_entropy_threshold``, with how it was chosen): relaxed mode
@@ -77,13 +77,13 @@ def main(argv: list[str] | None = None) -> None:
                      "max_entropy": round(ctc_max_entropy(logp), 4)})
     refs = [r["ref"] for r in rows]
     plain = jiwer.wer(refs, [r["plain"] for r in rows])
-    curve, best = [], None
+    curve, best, chosen = [], None, None
     for t in sorted({0.7, *(r["max_entropy"] for r in rows)}):
         hyp = [r["spelt"] if r["max_entropy"] <= t else r["plain"] for r in rows]
         w = jiwer.wer(refs, hyp)
         curve.append({"threshold": t, "settled": sum(r["max_entropy"] <= t for r in rows), "wer": round(w, 4)})
         if w <= plain * (1 + a.within):
-            best = t
+            best, chosen = t, curve[-1]
     res = {"model": a.model, "recordings": len(rows), "plain_wer": round(plain, 4),
            "ctc_wer": round(jiwer.wer(refs, [r["ctc"] for r in rows]), 4),
            "spelt_wer": round(jiwer.wer(refs, [r["spelt"] for r in rows]), 4),
@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         extra["ctc_entropy_threshold"] = best
         extra["ctc_entropy_threshold_calibration"] = {
             "recordings": len(rows), "within": a.within, "plain_wer": res["plain_wer"],
-            "relaxed_wer": next(c["wer"] for c in curve if c["threshold"] == best),
-            "settled": next(c["settled"] for c in curve if c["threshold"] == best),
+            "relaxed_wer": chosen["wer"], "settled": chosen["settled"],
             "script": "scripts/speech_gate_calibration.py"}
         path.write_text(json.dumps(cfg, indent=2) + "\n")
         print(f"wrote specserve.ctc_entropy_threshold={best} to {path}")
