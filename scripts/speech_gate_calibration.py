@@ -8,11 +8,12 @@ it, faster), the CTC greedy text and the text relaxed mode answers with when its
 settles (the ctc proposer's own hypothesis: normalised and spelt as ``method.ctc_spelling:
 auto`` does for this model), and the largest per-frame CTC entropy.  Both sides of every
 WER are normalised (``audio.text.normalize_transcript``).  For each candidate threshold,
-relaxed mode's transcript is approximated as the spelt CTC text where the gate settles the recording and plain decoding's
-elsewhere; the JSON lists the curve and the largest threshold whose WER stays within
-``--within`` (relative) of plain decoding's.  ``--write`` stores that threshold in the model's
-``config.json`` (``specserve.ctc_entropy_threshold``, with how it was chosen): relaxed mode
-uses it when ``method.ctc_entropy_threshold`` is left null.
+relaxed mode's transcript is approximated as the spelt CTC text where the gate settles the
+recording and plain decoding's elsewhere; the JSON lists the curve and the largest
+threshold whose WER stays within ``--within`` (relative) of plain decoding's.  ``--write``
+stores that threshold in the model's ``config.json`` (``specserve.ctc_entropy_threshold``,
+with how it was chosen): relaxed mode uses it when ``method.ctc_entropy_threshold`` is left
+null.  The recordings are read as ``specserve-train`` reads them (``train.speech``).
 
   python scripts/speech_gate_calibration.py --model specserve/assets/smollm2-135m-speech \\
       --out calibration.json outputs/speech-smollm2-135m/data.npz outputs/speech-smollm2-135m/data_gen.npz
@@ -34,16 +35,14 @@ from specserve.audio.text import normalize_transcript
 from specserve.executor.models.granite_speech import ctc_greedy_labels, ctc_max_entropy, ctc_text
 from specserve.llm import LLM
 from specserve.request import SamplingParams
+from specserve.train.speech import load_recordings, recording
 
 
 def validation_recordings(paths: list[str], exclude: set[str]) -> list[tuple[str, np.ndarray]]:
     out = []
     for p in paths:
-        d = np.load(p, allow_pickle=True)
-        texts, off, n = list(d["texts"]), d["offsets"], int(d["num_train"])
-        for i in range(n, len(texts)):
-            if texts[i] not in exclude:
-                out.append((str(texts[i]), d["samples"][off[i]:off[i + 1]].astype(np.float32) / 32768))
+        d = load_recordings(Path(p))
+        out += [(t, recording(d, i)) for i, t in enumerate(d["texts"]) if i >= d["num_train"] and t not in exclude]
     return out
 
 
@@ -77,13 +76,14 @@ def main(argv: list[str] | None = None) -> None:
                      "max_entropy": round(ctc_max_entropy(logp), 4)})
     refs = [r["ref"] for r in rows]
     plain = jiwer.wer(refs, [r["plain"] for r in rows])
-    curve, best, chosen = [], None, None
+    curve, chosen = [], None
     for t in sorted({0.7, *(r["max_entropy"] for r in rows)}):
         hyp = [r["spelt"] if r["max_entropy"] <= t else r["plain"] for r in rows]
         w = jiwer.wer(refs, hyp)
         curve.append({"threshold": t, "settled": sum(r["max_entropy"] <= t for r in rows), "wer": round(w, 4)})
         if w <= plain * (1 + a.within):
-            best, chosen = t, curve[-1]
+            chosen = curve[-1]
+    best = chosen["threshold"] if chosen else None
     res = {"model": a.model, "recordings": len(rows), "plain_wer": round(plain, 4),
            "ctc_wer": round(jiwer.wer(refs, [r["ctc"] for r in rows]), 4),
            "spelt_wer": round(jiwer.wer(refs, [r["spelt"] for r in rows]), 4),

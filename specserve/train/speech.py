@@ -77,7 +77,9 @@ def _synthesize(sentences: list[str], cfg: SpeechTrainConfig, seed: int, path: P
     log.info("%s: %d sentences, %.2f hours of speech", path.name, len(sentences), offsets[-1] / 16000 / 3600)
 
 
-def _load(path: Path) -> dict[str, Any]:
+def load_recordings(path: Path) -> dict[str, Any]:
+    """A ``data.npz`` / ``data_gen.npz`` of this trainer: int16 ``samples`` of every recording
+    end to end, their ``offsets``, ``texts``, and ``num_train`` (the rest are validation)."""
     z = np.load(path, allow_pickle=False)
     return {"samples": z["samples"], "offsets": z["offsets"], "texts": [str(t) for t in z["texts"]],
             "num_train": int(z["num_train"])}
@@ -99,7 +101,7 @@ def build_data(cfg: SpeechTrainConfig, out: Path) -> dict[str, Any]:
             log.warning("data.exclude_file=%s holds no sentences: nothing is held out", d.exclude_file)
         sentences = training_sentences(d.num_sentences + d.num_valid, held, seed=d.seed, cache_dir=cache)
         _synthesize(sentences, cfg, d.seed, path, len(sentences) - d.num_valid)
-    data = _load(path)
+    data = load_recordings(path)
     data["num_primary"] = data["num_train"]
     if d.generated_sentences <= 0:
         return data
@@ -113,7 +115,7 @@ def build_data(cfg: SpeechTrainConfig, out: Path) -> dict[str, Any]:
                                   held, d.seed, out / "generated.jsonl")
         gen = [s for s in gen if s not in known][: d.generated_sentences + d.generated_valid]
         _synthesize(gen, cfg, d.seed + 1, gpath, len(gen) - d.generated_valid)
-    g = _load(gpath)
+    g = load_recordings(gpath)
     return merge_data(data, g)
 
 
@@ -131,7 +133,8 @@ def merge_data(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "num_train": na + nb, "num_primary": na}
 
 
-def _clip(data: dict[str, Any], i: int) -> np.ndarray:
+def recording(data: dict[str, Any], i: int) -> np.ndarray:
+    """Recording ``i`` of ``load_recordings``'s ``data`` as float32 samples at 16 kHz."""
     a, b = data["offsets"][i], data["offsets"][i + 1]
     return data["samples"][a:b].astype(np.float32) / 32767.0
 
@@ -262,7 +265,7 @@ def train_ctc(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], 
         # a random window of similar lengths (less padding)
         start = int(rng.integers(0, max(1, n_train - stage.batch_size * 4)))
         idx = rng.choice(order[start : start + stage.batch_size * 4], stage.batch_size, replace=False)
-        feats, flens = _batch_features([_clip(data, int(i)) for i in idx], rng, cfg)
+        feats, flens = _batch_features([recording(data, int(i)) for i in idx], rng, cfg)
         if stage.spec_augment:
             feats = spec_augment(feats, flens, cfg, rng)
         tg, tlens = _targets([data["texts"][int(i)] for i in idx], cfg.encoder.output_dim)
@@ -294,7 +297,7 @@ def ctc_eval(model: SpeechModel, data: dict[str, Any], num: int) -> float:
     valid = range(data["num_train"], len(data["texts"]))
     step = max(1, len(valid) // max(num, 1))
     for i in list(valid)[::step][:num]:  # spread over the validation sentences of every source
-        hidden, _ = model.encoder(input_features(_clip(data, i))[None])
+        hidden, _ = model.encoder(input_features(recording(data, i))[None])
         hyp = ctc_text(ctc_greedy_labels(model.encoder.ctc_logits(hidden[0])))
         e, n = _cer(hyp, data["texts"][i])
         errs, total = errs + e, total + n
@@ -335,7 +338,7 @@ def build_targets(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, An
     hidden, offsets, ids, slots, t0 = [], [0], [], [], time.time()
     with torch.no_grad():
         for i in range(len(data["texts"])):
-            h, _ = model.encoder(input_features(_clip(data, i))[None])
+            h, _ = model.encoder(input_features(recording(data, i))[None])
             logp = model.encoder.ctc_logits(h[0]).float().log_softmax(-1).numpy()
             hidden.append(h[0].to(torch.float16))
             offsets.append(offsets[-1] + h.shape[1])
