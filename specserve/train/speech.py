@@ -19,14 +19,18 @@ Stages (each resumable from ``output_dir``; a finished stage is skipped on a rer
 5. ``adapt`` (with ``adapter.rank`` > 0): the projector and a low-rank adapter on the text
    model's linear layers (``train.lora``) trained together with the same LM loss; the base
    weights stay frozen.
-6. ``export``: ``config.json`` (``model_type: granite_speech``, the text model's config,
+6. ``joint`` (with ``adapter.rank`` > 0, off by default): the encoder's top blocks and CTC
+   head trained beside the projector and the adapter, on the LM loss plus the CTC loss; the
+   encoder runs every step (its lower blocks and batch-norm statistics frozen).
+7. ``export``: ``config.json`` (``model_type: granite_speech``, the text model's config,
    ``specserve.text_model`` naming where its weights come from) and ``model.safetensors``
    holding the encoder and projector under transformers' names; with an adapter,
    ``text_adapter.safetensors`` and ``specserve.text_adapter`` (merged at load time).
 
 With ``init_from`` (an exported model directory) the encoder and projector are loaded from
-it and stages 2-4 are not run: the run builds its data and targets and goes on from there;
-an exported text adapter is where stage ``adapt`` starts (its rank and alpha must match).
+it and stages 2-4 are not run: the run builds its data (and, for stage adapt, its targets)
+and goes on from there; an exported text adapter is where stages ``adapt`` and ``joint``
+start (its rank and alpha must match).
 
 Learning rates warm up, then follow a cosine to 10% over the stage's steps or minutes,
 whichever runs out first (the machine may be shared, so both bound a stage).
@@ -586,54 +590,164 @@ def train_adapt(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
 def _train_lm(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], targets: dict[str, Any], out: Path,
               llm: Any, tok: Any, name: str, stage: Any, seed_offset: int, groups: list[tuple[list[Any], float]],
               extra: dict[str, tuple[Any, Any]]) -> None:
-    """The LM-loss loop of stages align and adapt (checkpoint ``<name>.pt``, resumable):
-    ``groups`` = (parameters, learning-rate multiplier); ``extra`` = checkpoint key ->
-    (load, save) of state beyond the projector's."""
+    """Stages align and adapt: the projector (and ``groups``' other parameters) on the LM
+    loss, the encoder's states read from ``targets``."""
+    emb, end = llm.get_input_embeddings(), _end_token(tok)
+
+    def loss_of(idx: list[int], rng: np.random.Generator) -> torch.Tensor:
+        audio = _project_many(model, [_hidden(targets, i) for i in idx])
+        return _lm_loss(llm, *_lm_batch(cfg, tok, emb, audio, [data["texts"][i] for i in idx], end))
+
+    _train_loop(cfg, out, name, stage, seed_offset, groups,
+                {"projector": (model.projector.load_state_dict, model.projector.state_dict), **extra},
+                _usable(targets, 0, data["num_train"]), loss_of, model.projector.train,
+                lambda: align_sample(model, llm, tok, data, lambda i: _hidden(targets, i), cfg, end, 2))
+
+
+def _train_loop(cfg: SpeechTrainConfig, out: Path, name: str, stage: Any, seed_offset: int,
+                groups: list[tuple[list[Any], float]], state: dict[str, tuple[Any, Any]], pool: np.ndarray,
+                loss_of: Any, train_mode: Any, progress: Any) -> None:
+    """The loop of the LM-loss stages (checkpoint ``<name>.pt``, resumable): batches of
+    ``stage.batch_size`` recordings drawn from ``pool``, ``loss_of(indices, rng)`` minimised over
+    ``groups`` = (parameters, learning-rate multiplier); ``state`` = checkpoint key ->
+    (load, save); ``train_mode()`` puts the modules back in training mode after
+    ``progress()`` (the progress line's text) ran."""
     ckpt = out / f"{name}.pt"
-    emb = llm.get_input_embeddings()
-    end = _end_token(tok)
     opt = torch.optim.AdamW([{"params": ps, "mult": m} for ps, m in groups], lr=stage.lr, weight_decay=0.01)
-    loaders = {"projector": model.projector.load_state_dict, **{k: load for k, (load, _) in extra.items()}}
-    step, elapsed, done = _stage_state(ckpt, opt, loaders)
+    step, elapsed, done = _stage_state(ckpt, opt, {k: load for k, (load, _) in state.items()})
     if done or stage.max_steps <= 0:
         log.info("%s: done (step %d)", name, step)
         return
-    model.projector.train()
-    usable = _usable(targets, 0, data["num_train"])
+    train_mode()
     rng = np.random.default_rng(cfg.data.seed + seed_offset + step)
     params = [p for ps, _ in groups for p in ps]
     t_last, losses = time.time(), []
     while not _done(stage, step, elapsed):
-        idx = rng.choice(usable, stage.batch_size, replace=False)
-        audio = _project_many(model, [_hidden(targets, int(i)) for i in idx])
-        loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, audio, [data["texts"][int(i)] for i in idx], end))
+        idx = [int(i) for i in rng.choice(pool, stage.batch_size, replace=False)]
         lr = _lr(stage, step, elapsed)
-        losses.append(_update(opt, loss, lr, (params, 1.0)))
+        losses.append(_update(opt, loss_of(idx, rng), lr, (params, 1.0)))
         step += 1
         now = time.time()
         elapsed += now - t_last
         t_last = now
         if step % stage.checkpoint_every == 0 or _done(stage, step, elapsed):
-            sample = align_sample(model, llm, tok, data, targets, cfg, end, 2)
-            model.projector.train()
+            sample = progress()
+            train_mode()
             log.info("%s step %d  %.1f min  loss %.3f  lr %.2e  %s", name, step, elapsed / 60,
                      sum(losses) / len(losses), lr, sample)
             losses = []
-            _save(ckpt, {"projector": model.projector.state_dict(), **{k: save() for k, (_, save) in extra.items()},
-                         "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
-                         "done": _done(stage, step, elapsed)})
+            _save(ckpt, {**{k: save() for k, (_, save) in state.items()}, "opt": opt.state_dict(), "step": step,
+                         "elapsed": elapsed, "done": _done(stage, step, elapsed)})
             t_last = time.time()
 
 
+# ----------------------------------------------------------------------------- joint
+def _joint_train_mode(model: SpeechModel, k: int) -> None:
+    """Training mode for the projector and the encoder's top ``k`` blocks; the lower blocks
+    and every batch norm (its statistics) stay in inference mode."""
+    model.projector.train()
+    enc = model.encoder
+    enc.eval()
+    for layer in enc.layers[len(enc.layers) - k :]:
+        layer.train()
+    for m in enc.modules():
+        if isinstance(m, torch.nn.BatchNorm1d):
+            m.eval()
+
+
+def joint_parameters(model: SpeechModel, k: int) -> list[Any]:
+    """The encoder's parameters stage joint trains: the top ``k`` blocks and the CTC head
+    (and the input layer and self-conditioning projection where they fall among them)."""
+    enc = model.encoder
+    n = len(enc.layers)
+    mods = [*enc.layers[n - k :], enc.out] if k else []
+    if k > n - n // 2:  # the middle block (n // 2, counting from 1) trains: its self-conditioning too
+        mods.append(enc.out_mid)
+    if k == n:
+        mods.append(enc.input_linear)
+    return [p for m in mods for p in m.parameters()]
+
+
+def joint_encode(model: SpeechModel, feats: list[torch.Tensor], k: int) -> tuple[list[torch.Tensor], list[Any]]:
+    """Each recording's final encoder states and middle-block CTC logits (None where that
+    block is frozen), one recording at a time (no padding: what serving computes), the
+    blocks below the top ``k`` without gradients."""
+    enc = model.encoder
+    n = len(enc.layers)
+    hidden, mids = [], []
+    for f in feats:
+        with torch.set_grad_enabled(k == n and torch.is_grad_enabled()):
+            x = enc.input_linear(f[None])
+        with torch.no_grad():
+            x, _ = enc.blocks(x, 0, n - k)
+        x, mid = enc.blocks(x, n - k, n)
+        hidden.append(x[0])
+        mids.append(mid if mid is not None and mid.requires_grad else None)
+    return hidden, mids
+
+
+def _ctc_loss(logits: list[torch.Tensor], texts: list[str], output_dim: int) -> torch.Tensor:
+    """The character CTC loss of recordings of different lengths ((frames, labels) each)."""
+    T = max(x.shape[0] for x in logits)
+    logp = torch.stack([F.pad(x.log_softmax(-1), (0, 0, 0, T - x.shape[0])) for x in logits], 1)
+    tg, tlens = _targets(texts, output_dim)
+    return F.ctc_loss(logp, tg, torch.tensor([x.shape[0] for x in logits]), tlens, zero_infinity=True)
+
+
+def train_joint(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], out: Path, llm: Any, tok: Any,
+                lora: list[Any]) -> None:
+    """Stage ``joint``: the encoder's top ``joint.encoder_layers`` blocks and CTC head, the
+    projector and the text model's adapter, on the LM loss of stage adapt plus
+    ``joint.ctc_weight`` times the CTC loss (final head, and half the middle one's where its
+    block trains); the encoder runs each step on the augmented audio (gain, noise; SpecAugment
+    with ``joint.spec_augment``), so the projector sees the states the encoder now gives."""
+    from specserve.train.lora import load_lora_state_dict, lora_state_dict
+
+    stage, k = cfg.joint, cfg.joint.encoder_layers
+    emb, end = llm.get_input_embeddings(), _end_token(tok)
+
+    def loss_of(idx: list[int], rng: np.random.Generator) -> torch.Tensor:
+        feats = []
+        for i in idx:
+            f, lens = _batch_features([recording(data, i)], rng, cfg)
+            feats.append((spec_augment(f, lens, cfg, rng) if stage.spec_augment else f)[0])
+        hidden, mids = joint_encode(model, feats, k)
+        texts = [data["texts"][i] for i in idx]
+        loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, _project_many(model, hidden), texts, end))
+        if stage.ctc_weight and k:
+            ctc = _ctc_loss([model.encoder.ctc_logits(h) for h in hidden], texts, cfg.encoder.output_dim)
+            if all(m is not None for m in mids):
+                ctc = ctc + 0.5 * _ctc_loss([m[0] for m in mids], texts, cfg.encoder.output_dim)
+            loss = loss + stage.ctc_weight * ctc
+        return loss
+
+    def hidden_of(i: int) -> torch.Tensor:
+        return model.encoder(input_features(recording(data, i))[None])[0][0]
+
+    def progress() -> str:
+        model.encoder.eval()
+        return f"valid CER {ctc_eval(model, data, 16):.3f} " + align_sample(model, llm, tok, data, hidden_of, cfg, end, 2)
+
+    enc = model.encoder
+    _train_loop(cfg, out, "joint", stage, 32452843,
+                [(joint_parameters(model, k), stage.encoder_lr_mult), (list(model.projector.parameters()), 1.0),
+                 (lora, cfg.adapter.lr_mult)],
+                {"encoder": (enc.load_state_dict, enc.state_dict),
+                 "projector": (model.projector.load_state_dict, model.projector.state_dict),
+                 "adapter": (lambda sd: load_lora_state_dict(llm, sd), lambda: lora_state_dict(llm))},
+                np.arange(data["num_train"]), loss_of, lambda: _joint_train_mode(model, k), progress)
+
+
 @torch.no_grad()
-def align_sample(model: SpeechModel, llm: Any, tok: Any, data: dict[str, Any], targets: dict[str, Any],
+def align_sample(model: SpeechModel, llm: Any, tok: Any, data: dict[str, Any], hidden_of: Any,
                  cfg: SpeechTrainConfig, end: int, num: int) -> str:
-    """Greedy transcripts of ``num`` validation recordings (the progress line)."""
+    """Greedy transcripts of ``num`` validation recordings (the progress line);
+    ``hidden_of(i)``: recording i's encoder states."""
     model.projector.eval()
     emb = llm.get_input_embeddings()
     lines = []
     for i in range(data["num_train"], data["num_train"] + num):
-        a = model.projector(_hidden(targets, i)[None])[0]
+        a = model.projector(hidden_of(i)[None])[0]
         ids = torch.tensor(_audio_prompt(cfg, tok, a.shape[0]))
         x = emb(ids).clone()
         x[(ids == cfg.audio_token_index).nonzero().flatten()] = a
@@ -767,7 +881,10 @@ def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
             if (out / f"{name}.pt").is_file():
                 model.encoder.load_state_dict(torch.load(out / f"{name}.pt", weights_only=False)["encoder"])
     model.encoder.eval()
-    targets = build_targets(cfg, model, data, out, tok)
+    adapting = cfg.adapter.rank > 0 and cfg.adapt.max_steps > 0
+    joint = cfg.adapter.rank > 0 and cfg.joint.max_steps > 0
+    if not cfg.init_from or adapting:  # the stages reading the encoder's states from targets.pt
+        targets = build_targets(cfg, model, data, out, tok)
     if not cfg.init_from:
         filler = train_filler(cfg, data, targets, out, llm, tok, model.projector.p)
         train_embed(cfg, model, data, targets, out, llm.get_input_embeddings().weight, filler)
@@ -777,17 +894,23 @@ def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
             if (out / f"{name}.pt").is_file():
                 model.projector.load_state_dict(torch.load(out / f"{name}.pt", weights_only=False)["projector"])
     adapter = None
-    if cfg.adapter.rank > 0 and cfg.adapt.max_steps > 0:
+    if adapting or joint:
         from specserve.train.lora import add_lora, lora_state_dict
 
         lora = add_lora(llm, cfg.adapter.rank, cfg.adapter.alpha, list(cfg.adapter.modules))
-        resuming = (out / "adapt.pt").is_file()  # its checkpoint holds the adapter already
+        # a checkpoint of adapt or joint holds the adapter already
+        resuming = any((out / f"{n}.pt").is_file() for n in ("adapt", "joint"))
         if cfg.init_from and not resuming and init_adapter_from_export(llm, Path(cfg.init_from), cfg.adapter.rank,
                                                                        cfg.adapter.alpha):
-            log.info("adapt: starts from %s's text adapter", cfg.init_from)
-        train_adapt(cfg, model, data, targets, out, llm, tok, lora)  # leaves the checkpoint's state in place
+            log.info("adapter: starts from %s's text adapter", cfg.init_from)
+        if adapting:
+            train_adapt(cfg, model, data, targets, out, llm, tok, lora)  # leaves the checkpoint's state in place
+            stages += ("adapt",)
+        if joint:
+            train_joint(cfg, model, data, out, llm, tok, lora)
+            model.encoder.eval()
+            stages += ("joint",)
         adapter = lora_state_dict(llm)
-        stages += ("adapt",)
     export(cfg, model, out / "model", llm.config, adapter)
     summary = {name: _stage_summary(out / f"{name}.pt") for name in stages}
     report = {"sentences": data["num_train"], "primary_sentences": data.get("num_primary", data["num_train"]),

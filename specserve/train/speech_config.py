@@ -73,6 +73,16 @@ class SpeechStageConfig:
 
 
 @dataclass
+class SpeechJointStageConfig(SpeechStageConfig):
+    """Stage ``joint``: the encoder's upper blocks trained beside the projector and the text
+    model's adapter, on the LM loss plus ``ctc_weight`` times the CTC loss (the encoder runs
+    each step; its lower blocks, and every batch norm's statistics, stay frozen)."""
+    encoder_layers: int = 2  # the top conformer blocks trained (with the CTC head)
+    ctc_weight: float = 1.0
+    encoder_lr_mult: float = 1.0  # the encoder's learning rate: the stage's lr times this
+
+
+@dataclass
 class SpeechAdapterConfig:
     """The text model's low-rank adapter (stage ``adapt``; rank 0: none, the text model stays
     as it is).  Shipped beside the encoder and merged into the text weights at load time."""
@@ -109,6 +119,9 @@ class SpeechTrainConfig:
     # loss (after align; max_steps 0 or adapter.rank 0 skips it).
     adapt: SpeechStageConfig = field(default_factory=lambda: SpeechStageConfig(
         max_steps=0, max_minutes=60.0, lr=3e-4, warmup_steps=20, batch_size=8, checkpoint_every=25))
+    # Stage joint: after adapt (max_steps 0 skips it; it needs adapter.rank > 0).
+    joint: SpeechJointStageConfig = field(default_factory=lambda: SpeechJointStageConfig(
+        max_steps=0, max_minutes=60.0, lr=3e-4, warmup_steps=20, batch_size=8, checkpoint_every=25))
     adapter: SpeechAdapterConfig = field(default_factory=SpeechAdapterConfig)
     # An exported speech model directory (config.json + model.safetensors, e.g. the
     # package's asset) whose encoder and projector stand in for stages ctc .. align: the
@@ -141,6 +154,16 @@ def validate_speech_config(cfg: SpeechTrainConfig) -> SpeechTrainConfig:
         raise ConfigError("adapter.rank", f"must be an integer >= 0, got {cfg.adapter.rank!r}")
     if cfg.adapter.rank and not cfg.adapter.modules:
         raise ConfigError("adapter.modules", "must name at least one linear layer (q_proj, v_proj, ...)")
+    j = cfg.joint
+    if j.max_steps > 0:
+        if not cfg.adapter.rank:
+            raise ConfigError("joint.max_steps", "stage joint trains the text model's adapter: set adapter.rank > 0")
+        if isinstance(j.encoder_layers, bool) or not isinstance(j.encoder_layers, int) or not (
+                0 <= j.encoder_layers <= cfg.encoder.num_layers):
+            raise ConfigError("joint.encoder_layers", f"must be an integer in 0..encoder.num_layers "
+                                                      f"({cfg.encoder.num_layers}), got {j.encoder_layers!r}")
+        if not j.ctc_weight >= 0:
+            raise ConfigError("joint.ctc_weight", f"must be >= 0, got {j.ctc_weight!r}")
     if cfg.init_from is not None and not (Path(cfg.init_from) / "config.json").is_file():
         raise ConfigError("init_from", f"{cfg.init_from} is not a speech model directory (no config.json)")
     if cfg.encoder.hidden_dim % cfg.encoder.num_heads:

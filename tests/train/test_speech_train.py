@@ -178,3 +178,94 @@ def test_the_lm_loss_uses_bfloat16_only_where_the_cpu_has_it(setup, monkeypatch,
     audio = [torch.randn(3, llm.config.hidden_size)]
     loss = S._lm_loss(llm, *S._lm_batch(cfg, tok, emb, audio, ["w3 w4"], S._end_token(tok)))
     assert seen == [torch.bfloat16 if bf16 else torch.float32] and torch.isfinite(loss)
+
+
+def test_joint_encode_equals_the_encoder_and_trains_only_its_top_blocks(setup):
+    """joint_encode gives the encoder's own states (recording by recording), and only the
+    top ``k`` blocks (with the CTC head) receive gradients."""
+    cfg, data, _ = setup
+    torch.manual_seed(2)
+    enc, proj = S.model_configs(cfg, 64)
+    model = S.SpeechModel(enc, proj).eval()
+    feats = [S.input_features(S.recording(data, i)) for i in (0, 3)]
+    for k in (0, 1, 2):
+        hidden, mids = S.joint_encode(model, feats, k)
+        for h, f in zip(hidden, feats):
+            torch.testing.assert_close(h, model.encoder(f[None])[0][0], rtol=0, atol=0)
+        assert all(m is None for m in mids) if k < 2 else all(m is not None for m in mids)
+        trained = {id(p) for p in S.joint_parameters(model, k)}
+        model.zero_grad()
+        sum(h.square().sum() for h in hidden).backward() if k else None
+        for name, p in model.encoder.named_parameters():
+            got = p.grad is not None and bool(p.grad.abs().sum() > 0)
+            assert got <= (id(p) in trained), (k, name)  # a gradient only where the stage trains
+            if name.startswith(f"layers.{2 - k}.") and k:
+                assert id(p) in trained, name
+
+
+def test_joint_from_an_exported_model_trains_encoder_projector_and_adapter(setup, tmp_path):
+    """Stage joint (init_from an exported model with an adapter): the encoder's top block,
+    the projector and the adapter change, the lower block and the batch-norm statistics do
+    not; no targets are built; a rerun skips the finished stage; the export loads and
+    transcribes."""
+    import copy
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from specserve.errors import ConfigError
+    from specserve.llm import LLM
+    from specserve.train.lora import add_lora, lora_state_dict
+
+    cfg, data, _ = setup
+    src = tmp_path / "src"
+    torch.manual_seed(3)
+    enc, proj = S.model_configs(cfg, 64)
+    model = S.SpeechModel(enc, proj)
+    llm0, _, _ = S._text_model(cfg)
+    add_lora(llm0, 2, cfg.adapter.alpha, ["q_proj"])
+    for name, p in llm0.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.01)
+    run = tmp_path / "run"
+    run.mkdir()
+    np.savez(run / "data.npz", samples=data["samples"], offsets=data["offsets"], texts=np.asarray(data["texts"]),
+             num_train=data["num_train"])
+    cfg2 = copy.deepcopy(cfg)
+    cfg2.output_dir, cfg2.init_from, cfg2.export_dir = str(run), str(src), None
+    cfg2.data.generated_sentences = 0
+    cfg2.adapter.rank, cfg2.adapter.modules = 2, ["q_proj"]
+    S.export(cfg2, model, src, AutoConfig.from_pretrained(cfg.model["path"]), lora_state_dict(llm0))
+    cfg2.joint.max_steps, cfg2.joint.checkpoint_every, cfg2.joint.batch_size, cfg2.joint.warmup_steps = 2, 1, 2, 1
+    cfg2.joint.encoder_layers, cfg2.joint.lr = 1, 1e-2
+    validate_speech_config(cfg2)
+    report = S.train_speech(cfg2)
+    assert report["stages"]["joint"]["steps"] == 2 and "adapt" not in report["stages"]
+    assert not (run / "targets.pt").exists()
+    before, after = load_file(str(src / "model.safetensors")), load_file(str(run / "model" / "model.safetensors"))
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(k.startswith("model.encoder.layers.1.") for k in changed)
+    assert any(k.startswith("model.projector.") for k in changed)
+    assert not any(k.startswith(("model.encoder.layers.0.", "model.encoder.input_linear")) for k in changed), changed
+    assert not any("running_" in k for k in changed), changed
+    a0, a1 = load_file(str(src / "text_adapter.safetensors")), load_file(str(run / "model" / "text_adapter.safetensors"))
+    assert any(not torch.equal(a0[k], a1[k]) for k in a0)
+    assert json.loads((run / "model" / "config.json").read_text())["specserve"]["text_adapter"]["scale"] == 16.0
+    mtime = (run / "joint.pt").stat().st_mtime_ns
+    S.train_speech(cfg2)  # rerun: the finished stage is skipped
+    assert (run / "joint.pt").stat().st_mtime_ns == mtime
+    llm = LLM(str(run / "model"), dtype="float32", num_kv_blocks=128, block_size=4)
+    from specserve.audio.decode import encode_wav
+
+    [t] = llm.transcribe(encode_wav(data["samples"][: data["offsets"][1]].astype(np.float32) / 32767))
+    assert t.segments and llm.engine.blocks.usage == 0
+    for key, value in (("joint.encoder_layers", 3), ("joint.ctc_weight", -1.0)):
+        bad = copy.deepcopy(cfg2)
+        setattr(bad.joint, key.split(".")[1], value)
+        with pytest.raises(ConfigError, match=key):
+            validate_speech_config(bad)
+    bad = copy.deepcopy(cfg2)
+    bad.adapter.rank = 0
+    with pytest.raises(ConfigError, match="joint.max_steps"):
+        validate_speech_config(bad)

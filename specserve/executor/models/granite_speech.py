@@ -224,11 +224,16 @@ class SpeechEncoder(nn.Module):
         self.out_mid = nn.Linear(c.output_dim, c.hidden_dim)
 
     def forward(self, features: Tensor) -> tuple[Tensor, Tensor | None]:
-        x = self.input_linear(features)
+        return self.blocks(self.input_linear(features), 0, len(self.layers))
+
+    def blocks(self, x: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor | None]:
+        """Conformer blocks ``lo`` .. ``hi - 1`` over states ``x`` (the middle block's
+        self-conditioning included where it falls among them) -> (states, the middle
+        block's CTC logits or None)."""
         mid_logits = None
-        for i, layer in enumerate(self.layers, start=1):
-            x = layer(x)
-            if i == self.c.num_layers // 2:
+        for i in range(lo, hi):
+            x = self.layers[i](x)
+            if i + 1 == self.c.num_layers // 2:
                 mid_logits = self.out(x)
                 x = x + self.out_mid(mid_logits.softmax(dim=-1))
         return x, mid_logits
