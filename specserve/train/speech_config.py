@@ -84,8 +84,9 @@ class SpeechJointStageConfig(SpeechStageConfig):
 
 @dataclass
 class SpeechAdapterConfig:
-    """The text model's low-rank adapter (stage ``adapt``; rank 0: none, the text model stays
-    as it is).  Shipped beside the encoder and merged into the text weights at load time."""
+    """The text model's low-rank adapter (stages ``adapt`` and ``joint``; rank 0: none, the
+    text model stays as it is).  Shipped beside the encoder and merged into the text weights
+    at load time."""
     rank: int = 0
     alpha: float = 32.0  # the factors' product is scaled by alpha / rank
     modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",

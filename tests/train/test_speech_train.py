@@ -72,11 +72,26 @@ def test_every_stage_runs_resumes_and_exports_a_loadable_model(setup):
     assert llm.engine.blocks.usage == 0
 
 
+def _init_from_run(cfg, data, tmp_path, src, modules):
+    """A run directory holding ``data`` as its data.npz and a copy of ``cfg`` that starts from
+    ``src`` (init_from) with a rank-2 adapter on ``modules``."""
+    import copy
+
+    run = tmp_path / "run"
+    run.mkdir()
+    np.savez(run / "data.npz", samples=data["samples"], offsets=data["offsets"], texts=np.asarray(data["texts"]),
+             num_train=data["num_train"])
+    cfg2 = copy.deepcopy(cfg)
+    cfg2.output_dir, cfg2.init_from, cfg2.export_dir = str(run), str(src), None
+    cfg2.data.generated_sentences = 0
+    cfg2.adapter.rank, cfg2.adapter.modules = 2, modules
+    return run, cfg2
+
+
 def test_adapt_from_an_exported_model_trains_the_text_adapter_and_ships_it(setup, tmp_path):
     """init_from: the encoder and projector come from an exported model (stages ctc .. align
     skipped), stage adapt trains the projector with a low-rank adapter on the text model,
     resumes when rerun, and the export carries the adapter that the loader merges."""
-    import copy
     import json
 
     from transformers import AutoConfig
@@ -89,14 +104,7 @@ def test_adapt_from_an_exported_model_trains_the_text_adapter_and_ships_it(setup
     enc, proj = S.model_configs(cfg, 64)
     S.export(cfg, S.SpeechModel(enc, proj), src, AutoConfig.from_pretrained(cfg.model["path"]))
     (src / "training_report.json").write_text(json.dumps({"stages": {"ctc": {"steps": 7, "minutes": 1.0}}}))
-    run = tmp_path / "run"
-    run.mkdir()
-    np.savez(run / "data.npz", samples=data["samples"], offsets=data["offsets"], texts=np.asarray(data["texts"]),
-             num_train=data["num_train"])
-    cfg2 = copy.deepcopy(cfg)
-    cfg2.output_dir, cfg2.init_from, cfg2.export_dir = str(run), str(src), None
-    cfg2.data.generated_sentences = 0
-    cfg2.adapter.rank, cfg2.adapter.modules = 2, ["q_proj", "down_proj"]
+    run, cfg2 = _init_from_run(cfg, data, tmp_path, src, ["q_proj", "down_proj"])
     cfg2.adapt.max_steps, cfg2.adapt.checkpoint_every, cfg2.adapt.batch_size, cfg2.adapt.warmup_steps = 2, 1, 2, 1
     validate_speech_config(cfg2)
     report = S.train_speech(cfg2)
@@ -228,14 +236,7 @@ def test_joint_from_an_exported_model_trains_encoder_projector_and_adapter(setup
     for name, p in llm0.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.01)
-    run = tmp_path / "run"
-    run.mkdir()
-    np.savez(run / "data.npz", samples=data["samples"], offsets=data["offsets"], texts=np.asarray(data["texts"]),
-             num_train=data["num_train"])
-    cfg2 = copy.deepcopy(cfg)
-    cfg2.output_dir, cfg2.init_from, cfg2.export_dir = str(run), str(src), None
-    cfg2.data.generated_sentences = 0
-    cfg2.adapter.rank, cfg2.adapter.modules = 2, ["q_proj"]
+    run, cfg2 = _init_from_run(cfg, data, tmp_path, src, ["q_proj"])
     S.export(cfg2, model, src, AutoConfig.from_pretrained(cfg.model["path"]), lora_state_dict(llm0))
     cfg2.joint.max_steps, cfg2.joint.checkpoint_every, cfg2.joint.batch_size, cfg2.joint.warmup_steps = 2, 1, 2, 1
     cfg2.joint.encoder_layers, cfg2.joint.lr = 1, 1e-2
