@@ -233,6 +233,19 @@ def _targets(texts: list[str], output_dim: int) -> tuple[torch.Tensor, torch.Ten
     return torch.tensor([x for lab in labels for x in lab], dtype=torch.long), torch.tensor([len(x) for x in labels])
 
 
+def _ctc_loss(final: torch.Tensor, mid: torch.Tensor | None, lengths: list[int], texts: list[str],
+              output_dim: int) -> torch.Tensor:
+    """The encoder's character CTC loss: the final head's plus half the middle head's (when
+    given), both (B, frames, labels) logits whose frames past ``lengths`` are padding."""
+    tg, tlens = _targets(texts, output_dim)
+    il = torch.tensor(lengths)
+
+    def one(logits: torch.Tensor) -> torch.Tensor:
+        return F.ctc_loss(logits.log_softmax(-1).transpose(0, 1), tg, il, tlens, zero_infinity=True)
+
+    return one(final) if mid is None else one(final) + 0.5 * one(mid)
+
+
 def _cer(hyp: str, ref: str) -> tuple[int, int]:
     prev = list(range(len(ref) + 1))
     for i, h in enumerate(hyp, 1):
@@ -272,12 +285,9 @@ def train_ctc(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], 
         feats, flens = _batch_features([recording(data, int(i)) for i in idx], rng, cfg)
         if stage.spec_augment:
             feats = spec_augment(feats, flens, cfg, rng)
-        tg, tlens = _targets([data["texts"][int(i)] for i in idx], cfg.encoder.output_dim)
         hidden, mid = model.encoder(feats)
-        logp = model.encoder.ctc_logits(hidden).log_softmax(-1).transpose(0, 1)
-        il = torch.tensor(flens)
-        loss = F.ctc_loss(logp, tg, il, tlens, zero_infinity=True)
-        loss = loss + 0.5 * F.ctc_loss(mid.log_softmax(-1).transpose(0, 1), tg, il, tlens, zero_infinity=True)
+        loss = _ctc_loss(model.encoder.ctc_logits(hidden), mid, flens, [data["texts"][int(i)] for i in idx],
+                         cfg.encoder.output_dim)
         losses.append(_update(opt, loss, _lr(stage, step, elapsed), (model.encoder.parameters(), 5.0)))
         step += 1
         now = time.time()
@@ -686,14 +696,6 @@ def joint_encode(model: SpeechModel, feats: list[torch.Tensor], k: int) -> tuple
     return hidden, mids
 
 
-def _ctc_loss(logits: list[torch.Tensor], texts: list[str], output_dim: int) -> torch.Tensor:
-    """The character CTC loss of recordings of different lengths ((frames, labels) each)."""
-    T = max(x.shape[0] for x in logits)
-    logp = torch.stack([F.pad(x.log_softmax(-1), (0, 0, 0, T - x.shape[0])) for x in logits], 1)
-    tg, tlens = _targets(texts, output_dim)
-    return F.ctc_loss(logp, tg, torch.tensor([x.shape[0] for x in logits]), tlens, zero_infinity=True)
-
-
 def train_joint(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any], out: Path, llm: Any, tok: Any,
                 lora: list[Any]) -> None:
     """Stage ``joint``: the encoder's top ``joint.encoder_layers`` blocks and CTC head, the
@@ -715,17 +717,17 @@ def train_joint(cfg: SpeechTrainConfig, model: SpeechModel, data: dict[str, Any]
         texts = [data["texts"][i] for i in idx]
         loss = _lm_loss(llm, *_lm_batch(cfg, tok, emb, _project_many(model, hidden), texts, end))
         if stage.ctc_weight and k:
-            ctc = _ctc_loss([model.encoder.ctc_logits(h) for h in hidden], texts, cfg.encoder.output_dim)
-            if all(m is not None for m in mids):
-                ctc = ctc + 0.5 * _ctc_loss([m[0] for m in mids], texts, cfg.encoder.output_dim)
-            loss = loss + stage.ctc_weight * ctc
+            pad = torch.nn.utils.rnn.pad_sequence
+            mid = pad([m[0] for m in mids], batch_first=True) if all(m is not None for m in mids) else None
+            final = pad([model.encoder.ctc_logits(h) for h in hidden], batch_first=True)
+            loss = loss + stage.ctc_weight * _ctc_loss(final, mid, [h.shape[0] for h in hidden], texts,
+                                                       cfg.encoder.output_dim)
         return loss
 
     def hidden_of(i: int) -> torch.Tensor:
         return model.encoder(input_features(recording(data, i))[None])[0][0]
 
-    def progress() -> str:
-        model.encoder.eval()
+    def progress() -> str:  # ctc_eval leaves the encoder in inference mode for the samples
         return f"valid CER {ctc_eval(model, data, 16):.3f} " + align_sample(model, llm, tok, data, hidden_of, cfg, end, 2)
 
     enc = model.encoder
@@ -908,7 +910,6 @@ def train_speech(cfg: SpeechTrainConfig) -> dict[str, Any]:
             stages += ("adapt",)
         if joint:
             train_joint(cfg, model, data, out, llm, tok, lora)
-            model.encoder.eval()
             stages += ("joint",)
         adapter = lora_state_dict(llm)
     export(cfg, model, out / "model", llm.config, adapter)
