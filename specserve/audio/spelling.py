@@ -19,6 +19,16 @@ programme over them, at the least total cost:
 * two neighbours, one of them outside the lexicon or a single letter, join into a lexicon
   word, or the nearest one (``merge_cost`` plus the distance).
 
+With a word bigram model (``lm``: ``audio.word_lm``, the speech model's
+``specserve.spelling_lm``), the programme also weighs each choice in context: every word,
+a lexicon word too, may become one of its ``num_candidates`` nearest lexicon words (cost:
+``edit_weight`` times the distance, plus ``change_cost`` for a lexicon word), a plural
+its possessive ("farmers" -> "farmer's", ``possessive_cost``), and the whole sentence's
+words pay ``lm_weight`` times their negative log probability under the model (a Viterbi
+search over the last word written), so "by food" becomes "buy food" where the counts say
+so.  Joins then look for a lexicon word within a quarter of the joined length (a third
+without the model).
+
 Words holding anything but lowercase letters and apostrophes are left as they are, so a
 transcript with case and punctuation keeps them.  One call makes at most ``max_searches``
 nearest-word searches (about a millisecond each; a word met twice in it is searched once,
@@ -57,7 +67,9 @@ def vocabulary_lexicon(tokenizer: Any) -> dict[str, int]:
 
 class VocabularySpeller:
     def __init__(self, lexicon: dict[str, int], oov_cost: float = 1.6, split_cost: float = 1.2,
-                 merge_cost: float = 0.5, max_searches: int = 64, max_word_len: int = 24):
+                 merge_cost: float = 0.5, max_searches: int = 64, max_word_len: int = 24, lm: Any = None,
+                 lm_weight: float = 0.15, edit_weight: float = 1.0, change_cost: float = 0.5,
+                 possessive_cost: float = 0.5, num_candidates: int = 12):
         if not lexicon:
             raise ValueError("the lexicon is empty (the tokenizer has no word-initial lowercase tokens)")
         self.rank = lexicon
@@ -65,38 +77,77 @@ class VocabularySpeller:
         # the work one transcript may cost the engine thread: nearest-word searches (about a
         # millisecond each) per call, and no search for longer words (no lexicon word is near)
         self.max_searches, self.max_word_len = max_searches, max_word_len
+        self.lm, self.lm_weight, self.edit_weight = lm, lm_weight, edit_weight
+        self.change_cost, self.possessive_cost, self.num_candidates = change_cost, possessive_cost, num_candidates
         self._words = sorted(lexicon, key=len)  # by length: the candidates of a length range are a slice
         self._lengths = [len(w) for w in self._words]
-        self._cache: dict[str, tuple[str, int] | None] = {}
+        self._cache: dict[tuple[str, int], list[tuple[str, int]] | None] = {}
         self._searches = 0
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> "VocabularySpeller":
-        return cls(vocabulary_lexicon(tokenizer))
+    def from_tokenizer(cls, tokenizer: Any, **kw: Any) -> "VocabularySpeller":
+        return cls(vocabulary_lexicon(tokenizer), **kw)
+
+    def _search(self, word: str, limit: int) -> list[tuple[str, int]] | None:
+        """Lexicon words within ``limit`` edits of ``word``, nearest first (ties: the same
+        first letter, then the more frequent word); None past the call's search budget."""
+        key = (word, limit)
+        if key in self._cache:
+            return self._cache[key]
+        if len(word) > self.max_word_len or self._searches >= self.max_searches:
+            return None
+        self._searches += 1
+        lo = bisect.bisect_left(self._lengths, len(word) - limit)
+        hi = bisect.bisect_right(self._lengths, len(word) + limit)
+        hits = process.extract(word, self._words[lo:hi], scorer=Levenshtein.distance, score_cutoff=limit, limit=None)
+        found = [(h[0], int(h[1])) for h in sorted(hits, key=lambda h: (h[1], h[0][:1] != word[:1],
+                                                                        self.rank[h[0]], h[0]))]
+        self._cache[key] = found
+        return found
 
     def nearest(self, word: str) -> tuple[str, int] | None:
         """The nearest lexicon word within a third of ``word``'s length (at least 1) and its
         distance; None when there is none."""
-        if word in self._cache:
-            return self._cache[word]
-        if len(word) > self.max_word_len or self._searches >= self.max_searches:
-            return None
-        self._searches += 1
-        limit = max(1, len(word) // 3)
-        lo = bisect.bisect_left(self._lengths, len(word) - limit)
-        hi = bisect.bisect_right(self._lengths, len(word) + limit)
-        hits = process.extract(word, self._words[lo:hi], scorer=Levenshtein.distance, score_cutoff=limit, limit=None)
-        found = None
-        if hits:
-            cand, dist, _ = min(hits, key=lambda h: (h[1], h[0][:1] != word[:1], self.rank[h[0]], h[0]))
-            found = (cand, int(dist))
-        self._cache[word] = found
-        return found
+        found = self._search(word, max(1, len(word) // 3))
+        return found[0] if found else None
 
     def _known(self, word: str) -> bool:
         """A lexicon word, or a contraction of one."""
         stem, apostrophe, _ = word.partition("'")
         return word in self.rank or (bool(apostrophe) and stem in self.rank)
+
+    def _options(self, words: list[str], plain: list[bool], i: int) -> list[tuple[int, list[str], float]]:
+        """What the words from ``i`` may become: (words consumed, words written, cost)."""
+        w, n, lm = words[i], len(words), self.lm is not None
+        options: list[tuple[int, list[str], float]] = []
+        known = not plain[i] or self._known(w)
+        options.append((1, [w], 0.0 if known else self.oov_cost))
+        if plain[i] and lm:
+            for cand, dist in (self._search(w, max(1, len(w) // 3)) or [])[: self.num_candidates]:
+                if cand != w:
+                    options.append((1, [cand], self.edit_weight * dist + (self.change_cost if known else 0.0)))
+            if w.endswith("s") and "'" not in w and w[:-1] in self.rank:
+                options.append((1, [w[:-1] + "'s"], self.edit_weight * self.possessive_cost))
+        elif not known:
+            near = self.nearest(w)
+            if near is not None:
+                options.append((1, [near[0]], float(near[1])))
+        if not known:
+            for k in range(2, len(w) - 1):
+                if w[:k] in self.rank and w[k:] in self.rank:
+                    options.append((1, [w[:k], w[k:]], self.split_cost))
+        if i + 1 < n:
+            v = words[i + 1]
+            odd = not self._known(w) or not self._known(v) or len(w) == 1 or len(v) == 1
+            if plain[i] and plain[i + 1] and odd:
+                m = w + v
+                if m in self.rank:
+                    options.append((2, [m], self.merge_cost))
+                else:
+                    found = self._search(m, max(1, len(m) // (4 if lm else 3)))
+                    if found:
+                        options.append((2, [found[0][0]], self.edit_weight * found[0][1] + self.merge_cost))
+        return options
 
     def correct(self, text: str) -> str:
         """``text`` with its words respelt (single spaces between them)."""
@@ -107,34 +158,14 @@ class VocabularySpeller:
         self._searches = 0
         self._cache = {}  # per call: what one transcript looked up never speeds up another's
         plain = [bool(_WORD.fullmatch(w)) for w in words]  # only such words are respelt or joined
+        if self.lm is not None:
+            return " ".join(self._viterbi(words, plain))
         inf = float("inf")
         cost = [inf] * (n + 1)
         back: list[tuple[int, list[str]] | None] = [None] * (n + 1)
         cost[0] = 0.0
-        for i, w in enumerate(words):
-            options: list[tuple[int, list[str], float]] = []
-            if not plain[i] or self._known(w):
-                options.append((1, [w], 0.0))
-            else:
-                options.append((1, [w], self.oov_cost))
-                near = self.nearest(w)
-                if near is not None:
-                    options.append((1, [near[0]], float(near[1])))
-                for k in range(2, len(w) - 1):
-                    if w[:k] in self.rank and w[k:] in self.rank:
-                        options.append((1, [w[:k], w[k:]], self.split_cost))
-            if i + 1 < n:
-                v = words[i + 1]
-                odd = not self._known(w) or not self._known(v) or len(w) == 1 or len(v) == 1
-                if plain[i] and plain[i + 1] and odd:
-                    m = w + v
-                    if m in self.rank:
-                        options.append((2, [m], self.merge_cost))
-                    else:
-                        near = self.nearest(m)
-                        if near is not None:
-                            options.append((2, [near[0]], near[1] + self.merge_cost))
-            for k, out, c in options:
+        for i in range(n):
+            for k, out, c in self._options(words, plain, i):
                 if cost[i] + c < cost[i + k]:
                     cost[i + k] = cost[i] + c
                     back[i + k] = (i, out)
@@ -145,3 +176,34 @@ class VocabularySpeller:
             result[:0] = out
             j = i
         return " ".join(result)
+
+    def _viterbi(self, words: list[str], plain: list[bool]) -> list[str]:
+        """The least-cost respelling with the word model's cost in it: states are (words
+        consumed, last word written)."""
+        from specserve.audio.word_lm import BOS, EOS
+
+        lm, weight, n = self.lm, self.lm_weight, len(words)
+        # per position: last word -> (cost, back pointer (position, last word), words written)
+        states: list[dict[str, tuple[float, tuple[int, str] | None, list[str]]]] = [{} for _ in range(n + 1)]
+        states[0][BOS] = (0.0, None, [])
+        for i in range(n):
+            if not states[i]:
+                continue
+            options = self._options(words, plain, i)
+            for last, (cost, _, _) in list(states[i].items()):
+                for k, out, c in options:
+                    total, prev = cost + c, last
+                    for w in out:
+                        total -= weight * lm.log_prob(prev, w)
+                        prev = w
+                    held = states[i + k].get(prev)
+                    if held is None or total < held[0]:
+                        states[i + k][prev] = (total, (i, last), out)
+        final = min(states[n].items(), key=lambda kv: (kv[1][0] - weight * lm.log_prob(kv[0], EOS), kv[0]))
+        result: list[str] = []
+        j, last = n, final[0]
+        while j > 0:
+            _, pointer, out = states[j][last]
+            result[:0] = out
+            j, last = pointer  # type: ignore[misc]
+        return result

@@ -330,6 +330,22 @@ def _speech_text_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
+def _load_word_lm(hf_dir: Path, name: Any, key: str) -> Any:
+    """The word bigram model a speech model's config.json names (specserve.spelling_lm: a
+    file name inside the model directory)."""
+    from specserve.audio.word_lm import WordBigramLM
+
+    where = f"{key}.path: {hf_dir}/config.json: specserve.spelling_lm"
+    if not isinstance(name, str) or not name or Path(name).name != name:
+        raise ModelLoadError(f"{where} must name a file in the model directory, got {name!r}")
+    if not (hf_dir / name).is_file():
+        raise ModelLoadError(f"{where}: {name} is not in {hf_dir}")
+    try:
+        return WordBigramLM.load(hf_dir / name)
+    except ValueError as e:
+        raise ModelLoadError(f"{where}: {e}") from e
+
+
 def load_speech_model(hf_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
                       cache_dir: str | None, key: str = "model") -> LoadedModel:
     """A Granite-Speech-shaped directory: its text model (any type the executor serves,
@@ -353,6 +369,8 @@ def load_speech_model(hf_dir: Path, dtype: torch.dtype, device: torch.device, ma
         spec = SpeechSpec.from_hf(cfg, extra)
     except ValueError as e:
         raise ModelLoadError(f"{key}.path: {hf_dir}/config.json: {e}") from e
+    if extra.get("spelling_lm") is not None:
+        spec.word_lm = _load_word_lm(hf_dir, extra["spelling_lm"], key)
     sd = read_state_dict(hf_dir)
     text_dir = hf_dir
     if extra.get("text_model"):  # the text weights live in another model (the embedded pairing)

@@ -21,10 +21,12 @@ with the text model's tokenizer, is the draft of the transcript.  Two acceptance
   IBM's evaluation scripts do, without their 2-beam search).  Sampled requests are
   verified as in ``exact``.
 
-``ctc_spelling`` (``auto``: ``vocabulary`` for models writing normalised lowercase
-transcripts) rewrites the CTC text's words that are not among the text model's word tokens
-into the nearest ones (``specserve.audio.spelling``) before it is tokenized: better drafts
-in both modes, and in relaxed mode the text the gate settles with.
+``ctc_spelling`` (``auto``: ``context`` for models writing normalised lowercase
+transcripts that ship a word bigram model, else ``vocabulary`` for such models) rewrites
+the CTC text's words that are not among the text model's word tokens into the nearest
+ones (``specserve.audio.spelling``; ``context`` also weighs every word in context with the
+model's word bigram model, ``audio.word_lm``) before it is tokenized: better drafts in
+both modes, and in relaxed mode the text the gate settles with.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from specserve.methods import MethodSpec, SpeculativeConfig, register
 
 ACCEPTANCE_MODES = ("exact", "relaxed")
 FALLBACKS = ("resume", "restart")
-SPELLINGS = ("auto", "none", "vocabulary")
+SPELLINGS = ("auto", "none", "vocabulary", "context")
 DEFAULT_ENTROPY_THRESHOLD = 0.7  # IBM's evaluation scripts' gate (nats)
 
 
@@ -50,8 +52,11 @@ class CtcOptions(SpeculativeConfig):
     ctc_confidence_threshold: float = 0.2
     ctc_fallback: str = "resume"
     # How the CTC text is spelt before it is tokenized: "vocabulary" rewrites words outside
-    # the text model's word tokens (specserve.audio.spelling), "none" keeps the greedy text,
-    # "auto" is vocabulary for models that write normalised lowercase transcripts, else none.
+    # the text model's word tokens (specserve.audio.spelling), "context" also weighs every
+    # word in context with the speech model's word bigram model (config.json's
+    # specserve.spelling_lm), "none" keeps the greedy text; "auto" is context for models
+    # that write normalised lowercase transcripts and have a word model, vocabulary for
+    # those without one, else none.
     ctc_spelling: str = "auto"
 
     @property

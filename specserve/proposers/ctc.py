@@ -6,7 +6,8 @@ What the engine asks of it, besides the proposer protocol:
   CTC path (argmax per frame, repeats merged, blank 0 dropped), its labels read as
   Unicode code points, the text stripped (and normalised where the model writes
   normalised transcripts), spelt with the text model's vocabulary where
-  ``method.ctc_spelling`` says so (``audio.spelling``), re-tokenized with the text
+  ``method.ctc_spelling`` says so (``audio.spelling``; ``context``: with the speech
+  model's word bigram model too), re-tokenized with the text
   model's tokenizer (no special tokens) -> a ``CtcHypothesis`` with the tokens and
   whether the entropy gate settles the request (relaxed mode, greedy requests, non-empty
   text, max entropy <= threshold).
@@ -66,7 +67,7 @@ class CtcProposer:
     aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(self, opts: CtcOptions, tokenizer: Any, normalized: bool = False,
-                 model_entropy_threshold: float | None = None):
+                 model_entropy_threshold: float | None = None, word_lm: Any = None):
         self.opts = opts
         self.tokenizer = tokenizer
         self.normalized = normalized
@@ -86,18 +87,23 @@ class CtcProposer:
                      opts.ctc_confidence_threshold, opts.ctc_fallback)
         self.num_spec_tokens = int(opts.num_speculative_tokens or 0)
         self._drafter = _HypothesisDrafts(self.num_spec_tokens)
-        spelling = opts.ctc_spelling if opts.ctc_spelling != "auto" else ("vocabulary" if normalized else "none")
+        spelling = opts.ctc_spelling
+        if spelling == "auto":
+            spelling = ("context" if word_lm is not None else "vocabulary") if normalized else "none"
         self.speller = None
-        if spelling == "vocabulary":
+        if spelling in ("vocabulary", "context"):
             from specserve.audio.spelling import VocabularySpeller, vocabulary_lexicon
+            from specserve.errors import ConfigError
 
+            if spelling == "context" and word_lm is None:
+                raise ConfigError("method.ctc_spelling", "context spells with the speech model's word bigram model "
+                                                         "(config.json's specserve.spelling_lm); this model has none: "
+                                                         "use auto, vocabulary or none")
             lexicon = vocabulary_lexicon(tokenizer)
             if lexicon:
-                self.speller = VocabularySpeller(lexicon)
-            elif opts.ctc_spelling == "vocabulary":
-                from specserve.errors import ConfigError
-
-                raise ConfigError("method.ctc_spelling", "vocabulary: the model's tokenizer has no word-initial "
+                self.speller = VocabularySpeller(lexicon, lm=word_lm if spelling == "context" else None)
+            elif opts.ctc_spelling != "auto":
+                raise ConfigError("method.ctc_spelling", f"{spelling}: the model's tokenizer has no word-initial "
                                                          "lowercase tokens to spell with; use auto or none")
 
     # ------------------------------------------------------------ the engine's hooks
@@ -161,4 +167,4 @@ def build(opts: CtcOptions, ctx: ProposerContext) -> CtcProposer:
         raise ConfigError("method.method", "ctc drafts from a speech model's CTC head; model.path is a text model "
                                            "(use a Granite-Speech-shaped model, e.g. model=smollm2-135m-speech)")
     return CtcProposer(opts, ctx.target.tokenizer, normalized=speech.transcript == "normalized",
-                       model_entropy_threshold=speech.ctc_entropy_threshold)
+                       model_entropy_threshold=speech.ctc_entropy_threshold, word_lm=speech.word_lm)

@@ -116,18 +116,18 @@ def test_the_proposer_spells_where_the_option_says(speller):
 def test_one_transcript_searches_at_most_its_budget():
     sp = VocabularySpeller(vocabulary_lexicon(_Tok()), max_searches=2)
     calls = []
-    real = sp.nearest.__func__
+    real = sp._search.__func__
 
-    def counting(self, word):
+    def counting(self, word, limit):
         before = self._searches
-        out = real(self, word)
+        out = real(self, word, limit)
         calls.append(self._searches - before)
         return out
 
-    sp.nearest = counting.__get__(sp)
+    sp._search = counting.__get__(sp)
     out = sp.correct("rivr cleare tomatos warmm")
     assert sum(calls) == 2  # "rivr", then "rivrcleare" (a join): the budget is spent
     assert out == "river cleare tomatos warmm"
     assert sp.correct("tomatos") == "tomatoes"  # a new call, a new budget
-    assert sp._cache == {"tomatos": ("tomatoes", 1)}  # and its own cache: nothing kept from the call before
+    assert list(sp._cache) == [("tomatos", 2)]  # and its own cache: nothing kept from the call before
     assert sp.correct("x" * 40) == "x" * 40  # too long to search

@@ -442,6 +442,9 @@ class SpeechSpec:
     # specserve.ctc_entropy_threshold, written by scripts/speech_gate_calibration.py): what
     # method.ctc_entropy_threshold: null means for it.  None: not calibrated.
     ctc_entropy_threshold: float | None = None
+    # The word bigram model the ctc drafter spells with in context (config.json's
+    # specserve.spelling_lm, an ``audio.word_lm.WordBigramLM`` set by the loader); None: none.
+    word_lm: Any = None
     model: Any = None
 
     @property
