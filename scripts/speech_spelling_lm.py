@@ -32,17 +32,24 @@ from specserve.train.speech_text import sentences_of
 FILE = "spelling_lm.json.gz"
 
 
-def corpus(sharegpt: list[tuple[int, int]], generated: list[Path], held: list[str], valid: set[str]) -> list[str]:
+def corpus(sharegpt: list[tuple[int, int]], generated: list[Path], held: list[str],
+           valid: set[str]) -> tuple[list[str], list[str]]:
+    """The ShareGPT and the generated training sentences, held-out and validation ones left out."""
     held_n = [normalize_transcript(h) for h in held]
-    out: list[str] = []
+
+    def kept(sentences: list[str]) -> list[str]:
+        return [s for s in sentences if s not in valid and not any(h in s for h in held_n)]
+
+    shared: list[str] = []
     for seed, count in sharegpt:  # the trainer draws count + its validation sentences; the first count train
-        out += training_sentences(count, held, seed=seed)
+        shared += training_sentences(count, held, seed=seed)
+    gen: list[str] = []
     for path in generated:
         for line in path.read_text().splitlines():
             if line.strip():
                 for text in json.loads(line):
-                    out += sentences_of(text)
-    return [s for s in out if s not in valid and not any(h in s for h in held_n)]
+                    gen += sentences_of(text)
+    return kept(shared), kept(gen)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     for p in a.valid_data:
         d = load_recordings(p)
         valid.update(d["texts"][d["num_train"]:])
-    sentences = corpus(sharegpt, a.generated, held, valid)
+    shared, gen = corpus(sharegpt, a.generated, held, valid)
+    sentences = shared + gen
     if not sentences:
         ap.error("no sentences: give --sharegpt and/or --generated")
     lm = WordBigramLM.from_sentences(sentences)
@@ -73,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = json.loads(cfg_path.read_text())
     extra = cfg.setdefault("specserve", {})
     extra["spelling_lm"] = FILE
-    extra["spelling_lm_source"] = {"sentences": len(sentences), "sharegpt": a.sharegpt,
-                                   "generated": [p.name for p in a.generated], "script": "scripts/speech_spelling_lm.py"}
+    extra["spelling_lm_source"] = {"sharegpt_sentences": len(shared), "sharegpt_seeds": a.sharegpt,
+                                   "generated_sentences": len(gen), "script": "scripts/speech_spelling_lm.py"}
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     print(json.dumps({"sentences": len(sentences), "words": len(lm.unigrams), "bigrams": len(lm.bigrams),
                       "bytes": (Path(a.model) / FILE).stat().st_size}))

@@ -2,8 +2,8 @@
 the package, paired with the embedded SmolLM2 and its merged text adapter): it loads without
 any download, its transcripts of held-out fixtures it never trained on (their sentences are
 excluded from its training data), the LLM's and the encoder's own CTC text, are within the
-measured word error rates, the CTC text spelt with the text model's vocabulary is closer to
-the references than the greedy path's, and +method=ctc exact returns plain decoding's
+measured word error rates, the CTC text spelt with the text model's vocabulary and the
+model's word bigram model is closer to the references than the greedy path's, and +method=ctc exact returns plain decoding's
 transcripts."""
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def test_the_asset_is_small_and_in_transformers_layout():
     assert cfg["specserve"]["text_adapter"]["file"] == "text_adapter.safetensors"
     # relaxed ctc's entropy gate, calibrated on validation recordings (not the fixtures)
     assert 0.7 < cfg["specserve"]["ctc_entropy_threshold"] < 3.0
+    # the word bigram model its drafter spells with in context (ctc_spelling auto)
+    assert cfg["specserve"]["spelling_lm"] == "spelling_lm.json.gz"
     size = sum(f.stat().st_size for f in ASSET.iterdir())
     assert size <= 40 * 1024 * 1024
 
@@ -57,9 +59,10 @@ def test_it_transcribes_held_out_speech_and_ctc_exact_equals_plain(fixtures):
     assert wer([t for _, t in fixtures], [t.text for t in ref]) <= LLM_WER_BOUND
     assert eng.blocks.usage == 0 and plain.blocks.usage == 0
     # the encoder's own transcripts (the CTC hypotheses that draft), spelt with SmolLM2's
-    # vocabulary (ctc_spelling auto) and as the greedy path reads
+    # vocabulary in context with the model's word bigram model (ctc_spelling auto), and as
+    # the greedy path reads
     refs = [t for _, t in fixtures]
-    assert eng.proposer.speller is not None
+    assert eng.proposer.speller is not None and eng.proposer.speller.lm is eng.target.speech.word_lm is not None
     encoded = [eng.speech.runner.encode(a.samples).ctc_log_probs for a, _ in fixtures]
     spelt = [eng.proposer.hypothesis(_Seq(), lp).text for lp in encoded]
     eng.proposer.speller = None

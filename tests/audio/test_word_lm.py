@@ -163,3 +163,36 @@ def test_the_loader_reads_a_model_s_word_model(tmp_path, lm):
     (d / "config.json").write_text(json.dumps(cfg))
     loaded = load_model(str(d), "float32", torch.device("cpu"))
     assert loaded.speech.word_lm.bigrams == lm.bigrams
+
+
+def test_the_script_counts_training_sentences_only(tmp_path):
+    """scripts/speech_spelling_lm.py: the generated sentences' counts, less the held-out
+    ones (and any sentence holding one) and the validation texts; config.json names the file."""
+    import importlib.util
+
+    import numpy as np
+
+    script = importlib.util.spec_from_file_location(
+        "speech_spelling_lm", __import__("pathlib").Path(__file__).resolve().parents[2] / "scripts" / "speech_spelling_lm.py")
+    mod = importlib.util.module_from_spec(script)
+    script.loader.exec_module(mod)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "granite_speech", "specserve": {"x": 1}}))
+    held = tmp_path / "held.txt"
+    held.write_text("the garden gate was left open\n")
+    gen = tmp_path / "generated.jsonl"
+    gen.write_text(json.dumps(["1. We buy fresh food here.\n2. The garden gate was left open all day.",
+                               "1. They buy bread at the market.\n2. A quiet valid sentence here."]) + "\n")
+    valid = tmp_path / "data.npz"
+    np.savez(valid, samples=np.zeros(4, np.int16), offsets=np.arange(3), num_train=1,
+             texts=np.asarray(["we buy fresh food here", "a quiet valid sentence here"]))
+    mod.main(["--model", str(model), "--generated", str(gen), "--valid-data", str(valid), "--exclude-file", str(held)])
+    cfg = json.loads((model / "config.json").read_text())["specserve"]
+    assert cfg["x"] == 1 and cfg["spelling_lm"] == "spelling_lm.json.gz"
+    assert cfg["spelling_lm_source"]["generated_sentences"] == 2  # of 4: one held out, one validation
+    lm = WordBigramLM.load(model / "spelling_lm.json.gz")
+    assert lm.bigrams[("they", "buy")] == 1 and lm.bigrams[("buy", "fresh")] == 1
+    assert "garden" not in lm.unigrams and "quiet" not in lm.unigrams
+    with pytest.raises(SystemExit):
+        mod.main(["--model", str(tmp_path / "nowhere")])
