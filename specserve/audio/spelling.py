@@ -21,8 +21,10 @@ programme over them, at the least total cost:
 
 With a word bigram model (``lm``: ``audio.word_lm``, the speech model's
 ``specserve.spelling_lm``), the programme also weighs each choice in context: every word,
-a lexicon word too, may become one of its ``num_candidates`` nearest lexicon words (cost:
-``edit_weight`` times the distance, plus ``change_cost`` for a lexicon word), a plural
+a lexicon word too, may become one of its ``num_candidates`` nearest lexicon words by
+``sound_distance`` (an edit distance where vowels, similar consonants, quiet and doubled
+letters cost less; cost: ``edit_weight`` times the distance, plus ``change_cost`` for a
+lexicon word), a plural
 its possessive ("farmers" -> "farmer's", ``possessive_cost``), and the whole sentence's
 words pay ``lm_weight`` times their negative log probability under the model (a Viterbi
 search over the last word written), so "by food" becomes "buy food" where the counts say
@@ -34,7 +36,8 @@ transcript with case and punctuation keeps them.  One call makes at most ``max_s
 nearest-word searches (about a millisecond each; a word met twice in it is searched once,
 and nothing is kept from one call to the next, so no transcript's timing reveals another's
 words), so a long or garbled transcript cannot hold the engine thread: the words past that
-budget stay.  The speller changes drafts only: with
+budget stay; with a word model, at most ``max_rescored`` candidates a call are rescored by
+``sound_distance``.  The speller changes drafts only: with
 ``ctc_acceptance: exact`` the output is still plain decoding's; in relaxed mode it is the
 text the entropy gate settles with and the hypothesis the first pass verifies.
 """
@@ -65,11 +68,67 @@ def vocabulary_lexicon(tokenizer: Any) -> dict[str, int]:
     return lex
 
 
+_VOWELS = frozenset("aeiouy")
+_QUIET = frozenset("ehwu")  # letters spelling often adds or drops without a sound of their own
+_NEAR = (frozenset("ck"), frozenset("cs"), frozenset("sz"), frozenset("fv"), frozenset("dt"), frozenset("bp"),
+         frozenset("gk"))
+MAX_RESCORED = 200  # candidates a search rescores by sound_distance
+
+
+def _substitution(a: str, b: str) -> float:
+    if a == b:
+        return 0.0
+    if a in _VOWELS and b in _VOWELS:
+        return 0.5
+    return 0.6 if any(a in pair and b in pair for pair in _NEAR) else 1.0
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz'"
+_SUBSTITUTION = {(x, y): _substitution(x, y) for x in _LETTERS for y in _LETTERS}
+
+
+def _indels(word: str) -> list[float]:
+    """What adding or dropping each letter of ``word`` costs."""
+    out = []
+    for i, c in enumerate(word):
+        if c in _QUIET:
+            out.append(0.5)
+        elif (i > 0 and word[i - 1] == c) or (i + 1 < len(word) and word[i + 1] == c):
+            out.append(0.3)  # a doubled letter
+        else:
+            out.append(1.0)
+    return out
+
+
+def sound_distance(a: str, b: str, cutoff: float = float("inf")) -> float:
+    """An edit distance weighted for spelling by sound: a vowel for a vowel costs 0.5, a
+    consonant for a similar one (c/k, c/s, s/z, f/v, d/t, b/p, g/k) 0.6, adding or dropping
+    e, h, w or u 0.5 and a doubled letter 0.3, anything else 1 ("windo" -> "window" 0.5,
+    "newn" -> "noon" 1.3, "dauter" -> "daughter" 1.5); past ``cutoff`` it stops and
+    returns infinity."""
+    ia, ib = _indels(a), _indels(b)
+    prev = [0.0]
+    for c in ib:
+        prev.append(prev[-1] + c)
+    for i, x in enumerate(a):
+        cost_a = ia[i]
+        cur = [prev[0] + cost_a]
+        for j, y in enumerate(b):
+            sub = _SUBSTITUTION.get((x, y))
+            if sub is None:
+                sub = _substitution(x, y)
+            cur.append(min(prev[j + 1] + cost_a, cur[j] + ib[j], prev[j] + sub))
+        if min(cur) > cutoff:  # every path through this row already costs more
+            return float("inf")
+        prev = cur
+    return prev[-1] if prev[-1] <= cutoff else float("inf")
+
+
 class VocabularySpeller:
     def __init__(self, lexicon: dict[str, int], oov_cost: float = 1.6, split_cost: float = 1.2,
                  merge_cost: float = 0.5, max_searches: int = 64, max_word_len: int = 24, lm: Any = None,
                  lm_weight: float = 0.15, edit_weight: float = 1.0, change_cost: float = 0.5,
-                 possessive_cost: float = 0.5, num_candidates: int = 12):
+                 possessive_cost: float = 0.5, num_candidates: int = 12, max_rescored: int = 1200):
         if not lexicon:
             raise ValueError("the lexicon is empty (the tokenizer has no word-initial lowercase tokens)")
         self.rank = lexicon
@@ -81,31 +140,45 @@ class VocabularySpeller:
         self.change_cost, self.possessive_cost, self.num_candidates = change_cost, possessive_cost, num_candidates
         self._words = sorted(lexicon, key=len)  # by length: the candidates of a length range are a slice
         self._lengths = [len(w) for w in self._words]
-        self._cache: dict[tuple[str, int], list[tuple[str, int]] | None] = {}
-        self._searches = 0
+        self._cache: dict[tuple[str, int], list[tuple[str, float]] | None] = {}
+        self._searches = self._rescored = 0
+        # with a word model, candidates rescored by sound_distance per call (about 30 us
+        # each); past it a search scores by Levenshtein's distance alone
+        self.max_rescored = max_rescored
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, **kw: Any) -> "VocabularySpeller":
         return cls(vocabulary_lexicon(tokenizer), **kw)
 
-    def _search(self, word: str, limit: int) -> list[tuple[str, int]] | None:
-        """Lexicon words within ``limit`` edits of ``word``, nearest first (ties: the same
-        first letter, then the more frequent word); None past the call's search budget."""
+    def _search(self, word: str, limit: int) -> list[tuple[str, float]] | None:
+        """Lexicon words within ``limit`` of ``word``, nearest first (ties: the same first
+        letter, then the more frequent word); None past the call's search budget.  The
+        distance is Levenshtein's, or, with a word model, ``sound_distance`` over the
+        ``MAX_RESCORED`` nearest by Levenshtein's within half the word's length (while the
+        call's ``max_rescored`` lasts)."""
         key = (word, limit)
         if key in self._cache:
             return self._cache[key]
         if len(word) > self.max_word_len or self._searches >= self.max_searches:
             return None
         self._searches += 1
-        lo = bisect.bisect_left(self._lengths, len(word) - limit)
-        hi = bisect.bisect_right(self._lengths, len(word) + limit)
-        hits = process.extract(word, self._words[lo:hi], scorer=Levenshtein.distance, score_cutoff=limit, limit=None)
-        found = [(h[0], int(h[1])) for h in sorted(hits, key=lambda h: (h[1], h[0][:1] != word[:1],
-                                                                        self.rank[h[0]], h[0]))]
+        wide = max(limit, (len(word) + 1) // 2) if self.lm is not None else limit
+        lo = bisect.bisect_left(self._lengths, len(word) - wide)
+        hi = bisect.bisect_right(self._lengths, len(word) + wide)
+        hits = process.extract(word, self._words[lo:hi], scorer=Levenshtein.distance, score_cutoff=wide, limit=None)
+        if self.lm is not None:
+            hits = sorted(hits, key=lambda h: (h[1], self.rank[h[0]], h[0]))[:MAX_RESCORED]
+            k = max(0, min(len(hits), self.max_rescored - self._rescored))  # the call's budget left
+            self._rescored += k
+            scored = [(h[0], sound_distance(word, h[0], limit)) for h in hits[:k]] + [(h[0], float(h[1])) for h in hits[k:]]
+            scored = [h for h in scored if h[1] <= limit]
+        else:
+            scored = [(h[0], int(h[1])) for h in hits]
+        found = sorted(scored, key=lambda h: (h[1], h[0][:1] != word[:1], self.rank[h[0]], h[0]))
         self._cache[key] = found
         return found
 
-    def nearest(self, word: str) -> tuple[str, int] | None:
+    def nearest(self, word: str) -> tuple[str, float] | None:
         """The nearest lexicon word within a third of ``word``'s length (at least 1) and its
         distance; None when there is none."""
         found = self._search(word, max(1, len(word) // 3))
@@ -155,7 +228,7 @@ class VocabularySpeller:
         n = len(words)
         if n == 0:
             return text
-        self._searches = 0
+        self._searches = self._rescored = 0
         self._cache = {}  # per call: what one transcript looked up never speeds up another's
         plain = [bool(_WORD.fullmatch(w)) for w in words]  # only such words are respelt or joined
         if self.lm is not None:

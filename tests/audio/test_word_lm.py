@@ -196,3 +196,39 @@ def test_the_script_counts_training_sentences_only(tmp_path):
     assert "garden" not in lm.unigrams and "quiet" not in lm.unigrams
     with pytest.raises(SystemExit):
         mod.main(["--model", str(tmp_path / "nowhere")])
+
+
+def test_sound_distance_prices_spelling_by_sound():
+    from specserve.audio.spelling import sound_distance
+
+    assert sound_distance("window", "window") == 0.0
+    assert sound_distance("windo", "window") == 0.5  # a quiet w
+    assert sound_distance("newn", "noon") == pytest.approx(1.3)  # vowels, a quiet letter and a doubled one
+    assert sound_distance("cat", "kat") == 0.6  # similar consonants
+    assert sound_distance("cat", "bat") == 1.0
+    assert sound_distance("tomatos", "tomatoes") == 0.5
+    assert sound_distance("abcdef", "uvwxyz", cutoff=2.0) == float("inf")  # stops past the cutoff
+    assert sound_distance("", "ab") == 2.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text("abcehkostuwz'", max_size=8), st.text("abcehkostuwz'", max_size=8))
+def test_sound_distance_is_a_cheaper_symmetric_levenshtein(a, b):
+    from rapidfuzz.distance import Levenshtein
+
+    from specserve.audio.spelling import sound_distance
+
+    d, lev = sound_distance(a, b), Levenshtein.distance(a, b)
+    assert d == pytest.approx(sound_distance(b, a))
+    assert 0.3 * lev - 1e-9 <= d <= lev + 1e-9  # every edit costs 0.3 to 1
+    assert (d == 0) == (a == b)
+    assert sound_distance(a, b, cutoff=d) == pytest.approx(d)  # a cutoff at the distance keeps it
+
+
+def test_in_context_the_rescoring_has_a_per_call_budget(lm):
+    lex = vocabulary_lexicon(_Tok(words=WORDS))
+    sp = VocabularySpeller(lex, lm=lm, max_rescored=3)
+    sp.correct("you can by fod at the markt on main streat")
+    assert sp._rescored == 3  # the rest scored by Levenshtein's distance
+    sp.correct("the")
+    assert sp._rescored <= 3  # a new call, a new budget
