@@ -45,6 +45,7 @@ text the entropy gate settles with and the hypothesis the first pass verifies.
 from __future__ import annotations
 
 import bisect
+import heapq
 import re
 from typing import Any
 
@@ -167,7 +168,7 @@ class VocabularySpeller:
         hi = bisect.bisect_right(self._lengths, len(word) + wide)
         hits = process.extract(word, self._words[lo:hi], scorer=Levenshtein.distance, score_cutoff=wide, limit=None)
         if self.lm is not None:
-            hits = sorted(hits, key=lambda h: (h[1], self.rank[h[0]], h[0]))[:MAX_RESCORED]
+            hits = heapq.nsmallest(MAX_RESCORED, hits, key=lambda h: (h[1], self.rank[h[0]], h[0]))
             k = max(0, min(len(hits), self.max_rescored - self._rescored))  # the call's budget left
             self._rescored += k
             scored = [(h[0], sound_distance(word, h[0], limit)) for h in hits[:k]] + [(h[0], float(h[1])) for h in hits[k:]]

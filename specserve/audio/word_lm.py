@@ -61,8 +61,11 @@ class WordBigramLM:
             bi.update(zip(w, w[1:]))
         return cls(dict(uni), dict(bi), **kw)
 
+    def _unigram_prob(self, word: str) -> float:
+        return (self.unigrams.get(word, 0) + self.unigram_k) / self._denominator
+
     def unigram_log_prob(self, word: str) -> float:
-        return math.log((self.unigrams.get(word, 0) + self.unigram_k) / self._denominator)
+        return math.log(self._unigram_prob(word))
 
     def log_prob(self, prev: str, word: str) -> float:
         h = self._history.get(prev, 0)
@@ -70,7 +73,7 @@ class WordBigramLM:
             return self.unigram_log_prob(word)
         d = self.discount
         seen = max(self.bigrams.get((prev, word), 0) - d, 0.0) / h
-        return math.log(seen + d * self._followers[prev] / h * math.exp(self.unigram_log_prob(word)))
+        return math.log(seen + d * self._followers[prev] / h * self._unigram_prob(word))
 
     # ------------------------------------------------------------------ file
     def save(self, path: Path) -> None:
